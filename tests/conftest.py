@@ -1,0 +1,31 @@
+"""Shared fixtures. Multi-device tests set XLA_FLAGS themselves in a subprocess."""
+
+import jax
+import numpy as np
+import pytest
+
+from specjax.models import decoder_only
+
+
+def random_decoder_params(config, seed=0, scale=0.2):
+  """Random weights large enough that greedy outputs vary from token to token (std 0.02 collapses)."""
+  params = decoder_only.init_params(config, jax.random.PRNGKey(seed))
+  rng = np.random.RandomState(seed)
+
+  def scaled(leaf):
+    leaf = np.asarray(leaf)
+    if np.all(leaf == 1.0):  # norm scales: perturb around 1 so a bug in their use shows
+      return (1.0 + 0.1 * rng.randn(*leaf.shape)).astype(np.float32)
+    return (scale * rng.randn(*leaf.shape)).astype(np.float32)
+
+  return jax.tree_util.tree_map(scaled, params)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+  """(config, params, tokenizer) of the embedded SmolLM2-135M-Instruct; loads in well under a second
+  once the dequantized cache exists."""
+  from specjax import assets, checkpoints, tokenizer  # pylint: disable=import-outside-toplevel
+  path = assets.smollm2_gguf_path()
+  config, params = checkpoints.load_decoder(path)
+  return config, params, tokenizer.Tokenizer.from_gguf(path)
