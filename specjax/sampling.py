@@ -55,7 +55,7 @@ def probs_from_logits(logits: jax.Array, temperature=0.0, top_k: int = 0, top_p=
   vocab = logits.shape[-1]
   greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
   # The tiny floor keeps the division finite when temperature is 0; that branch is discarded below.
-  scaled = logits / jnp.maximum(temperature, 1e-6)
+  scaled = logits / jnp.maximum(temperature, 1e-6)[..., None]
   if top_k and top_k < vocab:
     kth_largest = jax.lax.top_k(scaled, top_k)[0][..., -1:]
     scaled = jnp.where(scaled >= kth_largest, scaled, -jnp.inf)

@@ -73,9 +73,12 @@ def read_config(reader) -> DecoderConfig:
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-  """Undo llama.cpp's q/k row permutation (interleaved -> rotate-half RoPE layout)."""
+  """Undo llama.cpp's q/k row permutation (interleaved -> rotate-half RoPE layout).
+
+  The converter maps each head's rows (2, head_dim / 2) -> (head_dim / 2, 2); this is its inverse.
+  """
   d_out, d_in = w.shape
-  return w.reshape(n_head, 2, d_out // n_head // 2, d_in).swapaxes(1, 2).reshape(d_out, d_in)
+  return w.reshape(n_head, d_out // n_head // 2, 2, d_in).swapaxes(1, 2).reshape(d_out, d_in)
 
 
 def _hf_tensors(reader, cfg: DecoderConfig) -> dict[str, np.ndarray]:
@@ -109,7 +112,7 @@ def load(path, use_cache: bool = True):
   if not path.is_file():
     raise FileNotFoundError(f"no GGUF file at {path}")
   stat = path.stat()
-  key = hashlib.sha1(f"v2:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+  key = hashlib.sha1(f"v3:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
   cached = cache_dir() / "gguf" / f"{path.stem}-{key}.npz"
   if use_cache and cached.is_file():
     # Parsing the GGUF metadata alone takes seconds (49k vocabulary strings), so the config is cached too.
