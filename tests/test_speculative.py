@@ -1,0 +1,434 @@
+"""The speculative loop: a numpy replay, greedy == target greedy, losslessness, alpha, compilations."""
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from conftest import random_decoder_params
+from specjax import autoregressive, drafters, metrics, sampling, speculative, theory
+from specjax.models import decoder_only
+
+# ---------------------------------------------------------------------------------------------------
+# Table models: logits looked up from fixed arrays (DESIGN.md: speculative.py never imports models/).
+
+
+@flax.struct.dataclass
+class LengthsCache:
+  lengths: jax.Array
+
+
+def bigram_step(table, tokens, positions, cache):
+  """Next-token logits = table[token]; the cache only tracks lengths."""
+  return table[tokens], cache.replace(lengths=positions[:, -1] + 1)
+
+
+def bigram_cache(batch, max_length):
+  return LengthsCache(jnp.zeros((batch,), jnp.int32))
+
+
+@flax.struct.dataclass
+class HistoryCache:
+  history: jax.Array  # [B, S] token at each position
+  lengths: jax.Array
+
+
+def trigram_step(table, tokens, positions, cache):
+  """logits = table[token at pos - 1, token at pos] (0 before position 0). The older token comes from
+  the cache whenever it is not in this call, and only from slots below the cache's length (else 0),
+  so misplaced writes and lengths rolled back too far both change the output."""
+  rows = jnp.arange(tokens.shape[0])[:, None]
+  cached = (positions - 1 < cache.lengths[:, None]) | (jnp.arange(tokens.shape[1]) > 0)
+  history = cache.history.at[rows, positions].set(tokens)
+  before = jnp.where((positions > 0) & cached, history[rows, jnp.maximum(positions - 1, 0)], 0)
+  return table[before, tokens], HistoryCache(history, positions[:, -1] + 1)
+
+
+def trigram_cache(batch, max_length):
+  return HistoryCache(jnp.zeros((batch, max_length), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+
+def pad_prompts(prompts):
+  length = max(len(p) for p in prompts)
+  tokens = np.zeros((len(prompts), length), np.int32)
+  for row, prompt in enumerate(prompts):
+    tokens[row, :len(prompt)] = prompt
+  return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# (a) The loop == a naive numpy loop fed the same uniforms.
+
+
+def _inverse_cdf(uniform, probs):
+  cumulative = np.cumsum(probs)
+  index = int(np.sum(cumulative <= uniform * cumulative[-1]))
+  return min(index, int(np.flatnonzero(probs > 0)[-1]))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _all_uniforms(rng, iterations, batch, gamma):
+  return jax.vmap(lambda i: speculative.iteration_uniforms(rng, i, batch, gamma))(iterations)
+
+
+def numpy_reference(target_table, draft_table, prompts, rng, shape, temperature, top_p, lenience):
+  """Leviathan Alg. 1 row by row in numpy, with the loop's random numbers. Returns (tokens, n per
+  iteration) as lists per row."""
+  gamma, max_new = shape.gamma, shape.max_new_tokens
+  transform = functools.partial(sampling.probs_from_logits, temperature=temperature,
+                                top_k=shape.top_k, top_p=top_p)
+  sample_tab = target_tab = np.asarray(transform(target_table), np.float64)
+  draft_tab = np.asarray(transform(draft_table), np.float64)
+  greedy = temperature == 0
+  if greedy:  # argmax lenience compares against the soft distribution
+    soft = np.exp(target_table - target_table.max(-1, keepdims=True))
+    target_tab = soft / soft.sum(-1, keepdims=True)
+
+  def next_probs(tab, seq):
+    return tab[seq[-2] if len(seq) > 1 else 0, seq[-1]]
+
+  batch = len(prompts)
+  first_u = np.asarray(speculative.first_token_uniform(rng, batch))
+  all_u = _all_uniforms(rng, jnp.arange(max_new), batch, gamma)
+  outs = [[_inverse_cdf(first_u[b], next_probs(sample_tab, p))] for b, p in enumerate(prompts)]
+  done = [o[0] == shape.eos_id or max_new == 1 for o in outs]
+  accepted = [[] for _ in prompts]
+  iteration = 0
+  while iteration < max_new and not all(done):
+    draft_u, accept_u, resample_u = (np.asarray(u[iteration]) for u in all_u)
+    for b in range(batch):
+      if done[b]:
+        continue
+      seq = list(prompts[b]) + outs[b]
+      drafts, draft_probs = [], []
+      for i in range(gamma):
+        draft_probs.append(next_probs(draft_tab, seq + drafts))
+        drafts.append(_inverse_cdf(draft_u[b, i], draft_probs[-1]))
+      target_probs = [next_probs(target_tab, seq + drafts[:j]) for j in range(gamma + 1)]
+      n = 0
+      while n < gamma:
+        t, d = target_probs[n][drafts[n]], draft_probs[n][drafts[n]]
+        ok = t >= lenience * target_probs[n].max() if greedy else accept_u[b, n] * lenience * d < t
+        if not ok:
+          break
+        n += 1
+      if greedy:
+        nxt = int(np.argmax(target_probs[n]))
+      else:
+        residual = np.maximum(target_probs[n] - lenience * (draft_probs[n] if n < gamma else 0), 0)
+        if residual.sum() <= speculative.RESIDUAL_FLOOR:
+          residual = target_probs[n]
+        nxt = _inverse_cdf(resample_u[b], residual)
+      accepted[b].append(n)
+      for token in drafts[:n] + [nxt]:
+        outs[b].append(token)
+        if token == shape.eos_id or len(outs[b]) == max_new:
+          done[b] = True
+          break
+    iteration += 1
+  return outs, accepted
+
+
+def _tables(vocab, seed, eos=None):
+  rng = np.random.RandomState(seed)
+  target = (2.0 * rng.randn(vocab, vocab, vocab)).astype(np.float32)
+  draft = (target + 1.5 * rng.randn(vocab, vocab, vocab)).astype(np.float32)
+  if eos is not None:  # rarer EOS, so rows end at different iterations
+    target[..., eos] -= 1.5
+    draft[..., eos] -= 1.5
+  return target, draft
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [3], [2, 2, 0], [5, 1], [4, 4, 4, 4], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("top_k,gamma,max_new", [(0, 3, 12), (3, 1, 12), (0, 5, 3)])
+def test_loop_matches_numpy_reference(top_k, gamma, max_new):
+  vocab, eos = 6, 1
+  shape = speculative.SpecShape(gamma=gamma, max_new_tokens=max_new, top_k=top_k, eos_id=eos,
+                                pad_id=-1)
+  target_table, draft_table = _tables(vocab, seed=top_k, eos=eos)
+  fn = speculative.make_speculative_decode(trigram_step, trigram_cache,
+                                           drafters.ModelDrafter(trigram_step, trigram_cache), shape)
+  prompt_tokens, prompt_lengths = pad_prompts(PROMPTS)
+  settings = [(1.0, 1.0, 1.0), (0.7, 0.8, 1.0), (1.0, 1.0, 0.5), (0.0, 1.0, 1.0), (0.0, 1.0, 0.6)]
+  for seed, (temperature, top_p, lenience) in enumerate(settings):
+    rng = jax.random.PRNGKey(seed)
+    out = fn(target_table, draft_table, prompt_tokens, prompt_lengths, rng, temperature, top_p,
+             lenience)
+    tokens, accepted = numpy_reference(target_table, draft_table, PROMPTS, rng, shape, temperature,
+                                       top_p, lenience)
+    setting = f"temperature={temperature} top_p={top_p} lenience={lenience}"
+    for b in range(len(PROMPTS)):
+      got = np.asarray(out.tokens[b])
+      assert got[:int(out.num_generated[b])].tolist() == tokens[b], setting
+      assert np.all(got[len(tokens[b]):] == -1), setting
+      got_n = np.asarray(out.stats.num_accepted[b])
+      assert got_n[got_n >= 0].tolist() == accepted[b], setting
+    assert int(out.target_calls) == max(len(a) for a in accepted)
+    assert int(out.draft_calls) == shape.gamma * int(out.target_calls)
+  assert fn.jitted._cache_size() == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# (b), (c) Greedy output == target-only greedy, for any draft; an identical draft accepts everything.
+
+TINY = decoder_only.SIZES["tiny"]
+TINY_DRAFT = decoder_only.DecoderConfig(vocab_size=128, embed_dim=32, num_layers=1, num_heads=2,
+                                        num_kv_heads=1, head_dim=16, mlp_dim=64)
+GREEDY_SHAPE = dict(gamma=4, max_new_tokens=20)
+
+
+@functools.lru_cache(maxsize=None)
+def _decoder_setup():
+  target_params = random_decoder_params(TINY, seed=0)
+  step = decoder_only.make_step(TINY)
+  init_cache = functools.partial(decoder_only.init_cache, TINY)
+  prompt_tokens = jnp.asarray(np.random.RandomState(0).randint(0, 128, (4, 7)), jnp.int32)
+  prompt_lengths = jnp.array([7, 3, 5, 1], jnp.int32)
+  # EOS = a token row 0 emits mid-way, so rows end at different points.
+  plain = autoregressive.make_generate(step, init_cache, autoregressive.DecodeShape(20))(
+      target_params, prompt_tokens, prompt_lengths, jax.random.PRNGKey(0), 0.0)
+  eos = int(plain.tokens[0, 8])
+  return target_params, step, init_cache, prompt_tokens, prompt_lengths, eos
+
+
+@functools.lru_cache(maxsize=None)
+def _target_greedy(batch):
+  target_params, step, init_cache, prompt_tokens, prompt_lengths, eos = _decoder_setup()
+  return autoregressive.make_generate(step, init_cache, autoregressive.DecodeShape(
+      20, eos_id=eos, pad_id=-1))(target_params, prompt_tokens[:batch], prompt_lengths[:batch],
+                                  jax.random.PRNGKey(0), 0.0)
+
+
+def _greedy_drafter(kind, step, init_cache, target_params):
+  if kind == "random model":
+    return (drafters.ModelDrafter(decoder_only.make_step(TINY_DRAFT),
+                                  functools.partial(decoder_only.init_cache, TINY_DRAFT)),
+            random_decoder_params(TINY_DRAFT, seed=1))
+  if kind == "identical model":
+    return drafters.ModelDrafter(step, init_cache), target_params
+  if kind == "bigram":
+    return drafters.BigramDrafter(), drafters.bigram_from_step(step, init_cache, target_params, 128)
+  return drafters.PromptLookupDrafter(128, max_ngram=2), None
+
+
+@pytest.mark.parametrize("batch", [4, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["random model", "identical model", "bigram", "prompt lookup"])
+def test_greedy_equals_target_greedy(kind, batch):
+  target_params, step, init_cache, prompt_tokens, prompt_lengths, eos = _decoder_setup()
+  prompt_tokens, prompt_lengths = prompt_tokens[:batch], prompt_lengths[:batch]
+  drafter, draft_params = _greedy_drafter(kind, step, init_cache, target_params)
+  expected = _target_greedy(batch)
+  shape = speculative.SpecShape(**GREEDY_SHAPE, eos_id=eos, pad_id=-1)
+  out = speculative.make_speculative_decode(step, init_cache, drafter, shape)(
+      target_params, draft_params, prompt_tokens, prompt_lengths, jax.random.PRNGKey(3), 0.0)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(out.num_generated, expected.num_generated)
+  if batch == 4:
+    # EOS ended row 0 early while another row ran to max_new_tokens.
+    assert int(out.num_generated[0]) < 20 <= int(out.num_generated.max())
+  n = np.asarray(out.stats.num_accepted)
+  if kind == "identical model":  # (c) draft == target accepts every drafted token
+    assert np.all(n[n >= 0] == shape.gamma)
+    assert int(out.target_calls) < 20 // (shape.gamma + 1) + 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# (d), (e) Losslessness and acceptance on bigram table models: 4000 rows per setting.
+
+ROWS, VOCAB = 4000, 6
+STAT_SHAPE = dict(gamma=3, max_new_tokens=6)
+
+
+@functools.lru_cache(maxsize=None)
+def _stat_fn(top_k, lookup):
+  shape = speculative.SpecShape(**STAT_SHAPE, top_k=top_k)
+  drafter = drafters.PromptLookupDrafter(VOCAB) if lookup else drafters.BigramDrafter()
+  return speculative.make_speculative_decode(bigram_step, bigram_cache, drafter, shape)
+
+
+def _run_stat(target, draft, seed, temperature=1.0, top_p=1.0, lenience=1.0, top_k=0):
+  prompt = jnp.full((ROWS, 1), 2, jnp.int32)
+  lookup = draft is None  # prompt lookup: one-hot drafts from the row's own history
+  return _stat_fn(top_k, lookup)(jnp.asarray(target), None if lookup else jnp.asarray(draft),
+                                 prompt, jnp.ones((ROWS,), jnp.int32), jax.random.PRNGKey(seed),
+                                 temperature, top_p, lenience)
+
+
+def _marginals(target, temperature, top_k, top_p, steps):
+  """Exact law of the tokens target-only sampling emits at output positions 0..steps-1."""
+  chain = np.asarray(sampling.probs_from_logits(jnp.asarray(target), temperature, top_k, top_p),
+                     np.float64)
+  law = chain[2]  # the prompt is the single token 2
+  laws = [law]
+  for _ in range(steps - 1):
+    law = law @ chain
+    laws.append(law)
+  return laws
+
+
+def _random_pair(seed, scale_target=2.0, scale_draft=2.0):
+  rng = np.random.RandomState(seed)
+  return ((scale_target * rng.randn(VOCAB, VOCAB)).astype(np.float32),
+          (scale_draft * rng.randn(VOCAB, VOCAB)).astype(np.float32))
+
+
+def _adversarial(name):
+  target, draft = _random_pair(10)
+  if name == "disjoint supports":
+    target[:, 3:] = -np.inf
+    draft[:, :3] = -np.inf
+  elif name == "one-hot target":
+    target = np.where(np.eye(VOCAB)[np.roll(np.arange(VOCAB), 1)] > 0, 0.0, -np.inf)
+  elif name == "draft == target":
+    draft = target.copy()
+  elif name == "near-uniform draft":
+    draft = 0.05 * draft
+  elif name == "prompt lookup":
+    draft = None
+  return target.astype(np.float32), draft if draft is None else draft.astype(np.float32)
+
+
+CASES = [("disjoint supports", {}), ("one-hot target", {}), ("draft == target", {}),
+         ("near-uniform draft", {}), ("prompt lookup", {}), ("random", dict(temperature=0.6)),
+         ("random", dict(top_p=0.7)), ("random", dict(temperature=1.3, top_k=3)),
+         ("random", dict(lenience=1.0, temperature=0.8, top_p=0.9))]
+
+
+@pytest.mark.parametrize("name,transform", CASES)
+def test_emitted_distribution_equals_target(name, transform):
+  """Each output position's token counts vs the exact target-only law: chi-square p < 1e-6 fails
+  (6 positions per case, 9 cases: false-failure rate < 6e-5 over seeds), and total variation < 0.06
+  (its sd here is ~0.005, so > 7 sd). A lossy or mis-wired rule (draft probs not the sampled ones,
+  residual wrong, bonus from the wrong position) moves these laws by far more."""
+  target, draft = _adversarial(name)
+  temperature, top_k = transform.get("temperature", 1.0), transform.get("top_k", 0)
+  top_p = transform.get("top_p", 1.0)
+  out = _run_stat(target, draft, seed=CASES.index((name, transform)), **transform)
+  tokens = np.asarray(out.tokens)
+  laws = _marginals(target, temperature, top_k, top_p, STAT_SHAPE["max_new_tokens"])
+  for position, law in enumerate(laws):
+    counts = np.bincount(tokens[:, position], minlength=VOCAB)
+    support = law > 1e-9
+    assert counts[~support].sum() == 0, (name, position)
+    if support.sum() > 1:
+      assert stats.chisquare(counts[support], law[support] / law[support].sum() * ROWS).pvalue > 1e-6
+    assert 0.5 * np.abs(counts / ROWS - law).sum() < 0.06, (name, position)
+  n = np.asarray(out.stats.num_accepted)
+  if name == "draft == target":  # (c) on a sampled table model
+    assert np.all(n[n >= 0] == STAT_SHAPE["gamma"])
+  if name == "disjoint supports":
+    assert np.all(n[n >= 0] == 0)
+
+
+def test_target_only_sampling_follows_the_exact_law():
+  """The oracle above is the law plain sampling produces (same false-failure budget)."""
+  target, _ = _random_pair(10)
+  out = autoregressive.make_generate(bigram_step, bigram_cache, autoregressive.DecodeShape(3))(
+      jnp.asarray(target), jnp.full((ROWS, 1), 2, jnp.int32), jnp.ones((ROWS,), jnp.int32),
+      jax.random.PRNGKey(1), 0.6)
+  for position, law in enumerate(_marginals(target, 0.6, 0, 1.0, 3)):
+    counts = np.bincount(np.asarray(out.tokens[:, position]), minlength=VOCAB)
+    assert stats.chisquare(counts, law / law.sum() * ROWS).pvalue > 1e-6
+
+
+@pytest.mark.parametrize("lenience", [1.0, 0.5])
+def test_acceptance_rate_matches_alpha(lenience):
+  """Context-free tables (every row equal) give one alpha for every position. Empirical acceptance
+  within 5 sd of theory.alpha and the mean accepted length within 5 sd of theory.expected_tokens
+  (two-sided normal tails 6e-7 each); the histogram vs the truncated geometric, chi-square p > 1e-6."""
+  rng = np.random.RandomState(4)
+  target = np.broadcast_to(1.5 * rng.randn(VOCAB), (VOCAB, VOCAB)).astype(np.float32)
+  draft = np.broadcast_to(1.5 * rng.randn(VOCAB), (VOCAB, VOCAB)).astype(np.float32)
+  out = _run_stat(target, draft, seed=5, lenience=lenience)
+  gamma = STAT_SHAPE["gamma"]
+  target_probs = np.asarray(sampling.probs_from_logits(jnp.asarray(target[0]), 1.0))
+  draft_probs = np.asarray(sampling.probs_from_logits(jnp.asarray(draft[0]), 1.0))
+  alpha = float(theory.alpha(target_probs, draft_probs, lenience))
+  n = np.asarray(out.stats.num_accepted)
+  summary = metrics.summarize(out)
+  np.testing.assert_allclose(summary["alpha_estimate"], alpha, rtol=1e-5)
+  reached = np.minimum(n[n >= 0] + 1, gamma).sum()
+  assert abs(summary["empirical_alpha"] - alpha) < 5 * np.sqrt(alpha * (1 - alpha) / reached)
+  geometric = np.array([alpha ** k * (1 - alpha) for k in range(gamma)] + [alpha ** gamma])
+  histogram = np.asarray(summary["acceptance_histogram"])
+  assert stats.chisquare(histogram, geometric * histogram.sum()).pvalue > 1e-6
+  lengths = np.arange(1, gamma + 2)
+  sd = np.sqrt(geometric @ (lengths - geometric @ lengths) ** 2 / histogram.sum())
+  assert abs(summary["mean_accepted_length"] - theory.expected_tokens(alpha, gamma)) < 5 * sd
+  np.testing.assert_allclose(summary["conditional_acceptance"], alpha, atol=0.05)
+  assert summary["row_target_calls"] == np.asarray(out.stats.target_calls).tolist()
+  assert sum(summary["acceptance_histogram"]) == int(np.sum(n >= 0))
+
+
+# ---------------------------------------------------------------------------------------------------
+# (f) Compilations, (g) bad input.
+
+
+def test_sweeping_traced_values_does_not_recompile():
+  target, draft = _random_pair(0)
+  fn = speculative.make_speculative_decode(bigram_step, bigram_cache, drafters.BigramDrafter(),
+                                           speculative.SpecConfig(gamma=2, max_new_tokens=5))
+  prompt, lengths = pad_prompts([[1, 2], [3]])
+  for i, (temperature, top_p, lenience) in enumerate(
+      [(0, 1, 1), (0.5, 0.9, 1.0), (1.0, 1.0, 0.3), (np.float64(2.0), 0.5, 0.75), (0.0, 1.0, 0.5)]):
+    jax.block_until_ready(fn(target, draft, prompt, lengths, jax.random.PRNGKey(i), temperature,
+                             top_p, lenience))
+  assert fn.jitted._cache_size() == 1
+
+
+def test_bad_input():
+  with pytest.raises(ValueError, match="gamma"):
+    speculative.SpecConfig(gamma=0)
+  with pytest.raises(ValueError, match="gamma"):
+    speculative.SpecShape(gamma=0, max_new_tokens=4)
+  for lenience in [0.0, -0.5, 1.5, float("nan")]:
+    with pytest.raises(ValueError, match="lenience"):
+      speculative.SpecConfig(lenience=lenience)
+  with pytest.raises(ValueError, match="temperature"):
+    speculative.SpecConfig(temperature=-1.0)
+  with pytest.raises(ValueError, match="top_p"):
+    speculative.SpecConfig(top_p=0.0)
+  with pytest.raises(ValueError, match="top_k"):
+    speculative.SpecConfig(top_k=-1)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    speculative.SpecConfig(max_new_tokens=0)
+
+  target, draft = _random_pair(0)
+  fn = speculative.make_speculative_decode(bigram_step, bigram_cache, drafters.BigramDrafter(),
+                                           speculative.SpecShape(gamma=2, max_new_tokens=4))
+  prompt, lengths = pad_prompts([[1, 2]])
+  with pytest.raises(ValueError, match="lenience"):
+    fn(target, draft, prompt, lengths, jax.random.PRNGKey(0), 1.0, 1.0, 1.5)
+  wide_draft = np.zeros((VOCAB, VOCAB + 2), np.float32)
+  with pytest.raises(ValueError, match=f"target has {VOCAB} tokens, the drafter {VOCAB + 2}"):
+    fn(target, wide_draft, prompt, lengths, jax.random.PRNGKey(0))
+  lookup = speculative.make_speculative_decode(
+      bigram_step, bigram_cache, drafters.PromptLookupDrafter(VOCAB + 1),
+      speculative.SpecShape(gamma=2, max_new_tokens=4))
+  with pytest.raises(ValueError, match="vocabulary sizes differ"):
+    lookup(target, None, prompt, lengths, jax.random.PRNGKey(0))
+
+
+@pytest.mark.slow
+def test_greedy_equals_target_greedy_on_smollm2(smollm2):
+  """The real SmolLM2-135M target with a prompt-lookup draft, batch 2 of different prompt lengths."""
+  config, params, tok = smollm2
+  ids = [tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+         tok.encode("The capital of France is")]
+  prompt_tokens, prompt_lengths = pad_prompts(ids)
+  step = decoder_only.make_step(config)
+  init_cache = functools.partial(decoder_only.init_cache, config)
+  expected = autoregressive.make_generate(step, init_cache, autoregressive.DecodeShape(
+      16, eos_id=2))(params, prompt_tokens, prompt_lengths, jax.random.PRNGKey(0), 0.0)
+  out = speculative.make_speculative_decode(
+      step, init_cache, drafters.PromptLookupDrafter(config.vocab_size),
+      speculative.SpecShape(gamma=3, max_new_tokens=16, eos_id=2))(
+          params, None, prompt_tokens, prompt_lengths, jax.random.PRNGKey(0), 0.0)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(out.num_generated, expected.num_generated)
