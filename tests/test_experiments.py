@@ -1,0 +1,332 @@
+"""experiments/: the resumable sweep runner, the paper-form tables and the plots, from JSONL alone.
+
+Oracles: hand-written rows with hand-computed table values; a sweep interrupted (KeyboardInterrupt, or
+a subprocess SIGKILLed halfway through writing a row) and rerun must equal an uninterrupted one.
+"""
+
+import fcntl
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# experiments/ is a top-level folder (run as `python -m experiments.tables` from the repository root);
+# pyproject's pytest `pythonpath` makes the root importable.
+from experiments import plots, sweep, tables
+
+
+def thm38(alpha, gamma, c):
+  """Leviathan Thm 3.8, written out independently of tables.py and specjax.theory."""
+  return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
+
+
+def row(task, drafter, temperature, gamma, alpha, speedup, *, c=0.05, lenience=1.0, top_p=1.0,
+        tokens=None, baseline_ms=20.0, **extra):
+  """One results row as an engine would write it; the ms fields follow from baseline_ms / speedup."""
+  spec_ms = baseline_ms / speedup
+  out = {
+      "task": task, "target": "smollm2-135m", "drafter": drafter, "temperature": temperature,
+      "top_k": 0, "top_p": top_p, "lenience": lenience, "gamma": gamma, "alpha": alpha,
+      "acceptance_rate": alpha, "tokens_per_target_call": tokens if tokens is not None else 1 + alpha * gamma,
+      "per_position_acceptance": [alpha ** i for i in range(1, gamma + 1)],
+      "acceptance_histogram": [1] * (gamma + 1), "baseline_ms_per_token": baseline_ms,
+      "speculative_ms_per_token": spec_ms, "speedup": speedup, "target_step_ms": 20.0,
+      "draft_step_ms": 20.0 * c, "c": c, "outputs_match_baseline": True if temperature == 0 else None,
+      "prompts": 4, "new_tokens": 64, "ms_per_128_tokens": 128 * spec_ms, "seconds": 1.0}
+  out.update(extra)
+  out["point_id"] = sweep.point_id({k: out[k] for k in ("task", "drafter", "temperature", "top_p",
+                                                        "lenience", "gamma")})
+  return out
+
+
+ROWS = [
+    # ende, model draft, greedy: best measured gamma is 5.
+    *[row("ende", "model:draft-wide", 0.0, g, 0.7, s) for g, s in [(1, 1.5), (3, 2.2), (5, 2.4), (7, 2.1)]],
+    # the engine's own prediction is used when present
+    row("ende", "bigram", 0.0, 3, 0.20, 1.18, c=0.0, predicted_speedup=1.25),
+    row("ende", "bigram", 1.0, 3, 0.18, 1.10, c=0.0),
+    row("ende", "unigram", 0.0, 3, 0.06, 1.02, c=0.0),
+    # a lenience sweep at temperature 1
+    row("ende", "model:draft-wide", 1.0, 3, 0.60, 1.8, lenience=1.0),
+    row("ende", "model:draft-wide", 1.0, 3, 0.70, 2.0, lenience=0.5),
+    # Chen HumanEval form: T=0.8, top-p 0.95, K = 3 and 4
+    row("humaneval", "model:draft-wide", 0.8, 3, 0.8, 2.0, top_p=0.95, tokens=3.2),
+    row("humaneval", "model:draft-wide", 0.8, 4, 0.8, 2.5, top_p=0.95, tokens=3.5),
+]
+
+
+@pytest.fixture
+def results(tmp_path):
+  """The hand-written rows as a results JSONL, read back the way the CLI reads it."""
+  path = tmp_path / "results.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+  return sweep.read_rows(path)
+
+
+def body_row(table, **match):
+  """The one body row whose named columns equal `match`."""
+  hits = [dict(zip(table.names, cells)) for cells in table.body]
+  hits = [h for h in hits if all(h[k] == v for k, v in match.items())]
+  assert len(hits) == 1, (match, table.body)
+  return hits[0]
+
+
+# ----- tables -----
+
+
+def test_leviathan_table2_values_and_paper_column(results):
+  t = tables.leviathan_table2(results)
+  r = body_row(t, task="ende", draft="model:draft-wide", temp="greedy", gamma=7)
+  assert r["alpha"] == 0.7 and r["speedup"] == 2.1
+  assert r["expected (Thm 3.8)"] == pytest.approx(thm38(0.7, 7, 0.05))
+  assert r["measured / expected"] == pytest.approx(2.1 / thm38(0.7, 7, 0.05))
+  assert r["greedy output == baseline"] is True
+  assert "EnDe T5-small: alpha 0.75, expected 3.2x, measured 3.4x" in r[tables.PAPER_LABEL]
+  # the paper ran gamma 7 on EnDe greedy, never gamma 1
+  assert body_row(t, draft="model:draft-wide", temp="greedy", gamma=1)[tables.PAPER_LABEL] is None
+  assert body_row(t, draft="bigram", temp="greedy")["expected (Thm 3.8)"] == 1.25  # engine's own
+  md = t.markdown()
+  assert "Leviathan et al. 2022, Table 2" in md and tables.PAPER_LABEL in md
+  assert "| ende | smollm2-135m | model:draft-wide | greedy | 7 | 0.70 | 0.050 | " in md
+  assert "| 2.10x |" in md
+
+
+def test_best_gamma(results):
+  t = tables.best_gamma_table(results)
+  r = body_row(t, task="ende", draft="model:draft-wide", temp="greedy")
+  assert r["best gamma"] == 5 and r["speedup"] == 2.4 and r["gammas tried"] == "1 3 5 7"
+  # Thm 3.8 for alpha 0.7, c 0.05: gammas 5 and 6 tie at 2.353x, the smaller is reported
+  assert thm38(0.7, 5, 0.05) == pytest.approx(thm38(0.7, 6, 0.05), rel=1e-4)
+  assert r["Thm 3.8 gamma"] == 5 and r["Thm 3.8 speedup"] == pytest.approx(thm38(0.7, 5, 0.05))
+  # at c = 0 the curve creeps up to gamma 16 (1.25x); gamma 3 (1.248x) is within 0.5% of it, as in
+  # Leviathan's own bigram example (alpha 0.2, gamma 3, 1.25x)
+  bigram = body_row(t, draft="bigram", temp="greedy")
+  assert bigram["Thm 3.8 gamma"] == 3 and bigram[tables.PAPER_LABEL] is None
+  assert "EnDe T5-small: gamma 7, 3.4x" in r[tables.PAPER_LABEL]
+  assert "| 5 | 2.40x |" in t.markdown()
+
+
+def test_leviathan_table3_alpha_per_draft(results):
+  t = tables.leviathan_table3(results)
+  bigram = body_row(t, draft="bigram")
+  assert bigram["alpha T=0"] == 0.20 and bigram["alpha T=1"] == 0.18
+  assert "T5-XXL EnDe bigram: 0.20 / 0.19" in bigram[tables.PAPER_LABEL + ": alpha T=0 / T=1"]
+  unigram = body_row(t, draft="unigram")
+  assert unigram["alpha T=0"] == 0.06 and unigram["alpha T=1"] is None
+  model = body_row(t, task="ende", draft="model:draft-wide")
+  assert model["alpha T=0"] == pytest.approx(0.7) and model["alpha T=1"] == 0.6  # lenience 0.5 left out
+  assert "| ende | smollm2-135m | unigram | 0.06 | — |" in t.markdown()
+  # top-p rows are not plain temperature-1 sampling: no humaneval row
+  assert all(cells[0] != "humaneval" for cells in t.body)
+
+
+def test_leviathan_table5_lenience(results):
+  t = tables.leviathan_table5(results)
+  assert [(c[5], c[6]) for c in t.body] == [(1.0, 0.6), (0.5, 0.7)]  # lenience 1 first, as the paper
+  half = body_row(t, lenience=0.5)
+  assert half["speedup"] == 2.0
+  assert half[tables.PAPER_LABEL] == "EnDe T5-small: alpha 0.71; EnDe T5-base: alpha 0.80"
+
+
+def test_chen_table1_and_k_sweep(results):
+  t = tables.chen_table1(results)
+  r = body_row(t, task="humaneval")
+  assert r["method"] == "T=0.8, top-p 0.95" and r["K"] == 4 and r["speedup"] == 2.5
+  assert r["autoregressive ms/token"] == 20.0 and r["speculative ms/token"] == 8.0
+  assert r[tables.PAPER_LABEL] == "HumanEval p=0.95, temp 0.8: 14.1 -> 5.73 ms/token, 2.46x (K = 4)"
+  greedy = body_row(t, task="ende", draft="model:draft-wide", method="greedy")
+  assert greedy["K"] == 5 and greedy[tables.PAPER_LABEL] is None  # Chen has no translation task
+
+  k = tables.chen_k_sweep(results)
+  k3, k4 = body_row(k, task="humaneval", K=3), body_row(k, task="humaneval", K=4)
+  assert k3["ms / 128 tokens"] == pytest.approx(128 * 10.0)
+  assert k4["ms / 128 tokens"] == pytest.approx(128 * 8.0)
+  assert k3["accepted/(K+1)"] == pytest.approx(3.2 / 4) and k4["accepted/(K+1)"] == pytest.approx(3.5 / 5)
+  assert (k3["fastest"], k4["fastest"]) == ("", "*")
+  assert "HumanEval: keeps improving to K = 6-7" in k3[tables.PAPER_LABEL]
+  assert "| 1024.0 | 0.70 | 2.50x | * |" in k.markdown()
+
+
+def test_write_all_and_cli(results, tmp_path):
+  paths = tables.write_all(results, tmp_path / "a")
+  names = sorted(p.name for p in paths)
+  assert names == sorted(["tables.md"] + [f"{n}.csv" for n in tables.BUILDERS])
+  md = (tmp_path / "a" / "tables.md").read_text()
+  for mirrored in ("Table 2", "Table 3", "Table 4", "Table 5", "Chen et al. 2023, Table 1", "K sweep"):
+    assert mirrored in md
+  assert md.count(tables.PAPER_LABEL) >= 6
+  csv_lines = (tmp_path / "a" / "best_gamma.csv").read_text().splitlines()
+  assert csv_lines[0].startswith("task,target,draft,temp,best gamma,speedup")
+  assert any(line.startswith("ende,smollm2-135m,model:draft-wide,greedy,5,2.4,") for line in csv_lines)
+
+  src = tmp_path / "results.jsonl"
+  src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+  assert tables.main([str(src), str(tmp_path / "b")]) == 0
+  assert (tmp_path / "b" / "tables.md").read_text() == md
+
+
+def test_empty_rows_give_empty_tables():
+  md = tables.markdown([])
+  assert md.count("_No rows in these results._") == len(tables.BUILDERS)
+
+
+# ----- plots -----
+
+
+def test_plots_are_png(results, tmp_path):
+  paths = plots.plot_all(results, tmp_path)
+  assert sorted(p.name for p in paths) == ["acceptance_by_position.png", "alpha_vs_lenience.png",
+                                           "chen_k_sweep.png", "speedup_vs_gamma.png"]
+  for p in paths:
+    data = p.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, p
+  assert plots.plot_all([], tmp_path / "none") == []
+
+
+# ----- sweep runner -----
+
+POINTS = sweep.grid(task=["ende"], temperature=[0.0, 1.0], gamma=[1, 3, 5])
+
+
+def fake_measure(point):
+  """Deterministic stand-in for the engine: a row of the documented schema from the point alone."""
+  alpha = 0.7 - 0.1 * point["temperature"]
+  speedup = thm38(alpha, point["gamma"], 0.05) * 0.9
+  return {"target": "tiny", "drafter": "bigram", "alpha": alpha, "speedup": speedup, "c": 0.05,
+          "baseline_ms_per_token": 10.0, "speculative_ms_per_token": 10.0 / speedup,
+          "tokens_per_target_call": 1 + point["gamma"] * alpha, "per_position_acceptance": [float("nan")]}
+
+
+def test_grid_order_and_point_id():
+  assert [(p["temperature"], p["gamma"]) for p in POINTS] == [(0.0, 1), (0.0, 3), (0.0, 5),
+                                                               (1.0, 1), (1.0, 3), (1.0, 5)]
+  assert list(POINTS[0]) == ["task", "temperature", "gamma"]
+  assert sweep.point_id({"a": 1, "b": 0.0}) == sweep.point_id({"b": 0, "a": 1.0})
+  assert sweep.point_id({"a": 1, "b": 0.0}) != sweep.point_id({"a": 1, "b": 0.5})
+  assert len({sweep.point_id(p) for p in POINTS}) == len(POINTS)
+
+
+def test_run_and_rerun_skips(tmp_path):
+  out = tmp_path / "r.jsonl"
+  rows = sweep.run_sweep(POINTS, fake_measure, out, config={"seed": 0}, progress=False)
+  assert [r["gamma"] for r in rows] == [1, 3, 5, 1, 3, 5]
+  assert rows[0]["per_position_acceptance"] == [None]  # NaN written as standard JSON null
+  assert all(r["sweep_fingerprint"] == sweep.sweep_fingerprint({"seed": 0}) for r in rows)
+  assert all(isinstance(r["seconds"], float) for r in rows)
+  calls = []
+  again = sweep.run_sweep(POINTS + POINTS[:2], lambda p: calls.append(p) or fake_measure(p), out,
+                          config={"seed": 0}, progress=False)
+  assert calls == [] and again == rows
+  assert len(out.read_text().splitlines()) == len(POINTS)
+
+
+def test_keyboard_interrupt_then_resume_equals_clean_run(tmp_path):
+  clean = sweep.run_sweep(POINTS, fake_measure, tmp_path / "clean.jsonl", progress=False)
+
+  def flaky(point, calls=[]):  # pylint: disable=dangerous-default-value
+    calls.append(point)
+    if len(calls) == 4:
+      raise KeyboardInterrupt
+    return fake_measure(point)
+
+  out = tmp_path / "r.jsonl"
+  with pytest.raises(KeyboardInterrupt):
+    sweep.run_sweep(POINTS, flaky, out, progress=False)
+  assert len(sweep.read_rows(out)) == 3
+  resumed = sweep.run_sweep(POINTS, fake_measure, out, progress=False)
+  on_disk = sweep.read_rows(out)
+  assert sorted(r["point_id"] for r in on_disk) == sorted(sweep.point_id(p) for p in POINTS)
+  assert tables.markdown(on_disk) == tables.markdown(clean) == tables.markdown(resumed)
+
+
+def test_sigkill_mid_write_then_resume(tmp_path):
+  """A real kill: the child writes half a row of point 3 to the file, then SIGKILLs itself."""
+  out = tmp_path / "r.jsonl"
+  script = textwrap.dedent(f"""
+      import os, signal, sys
+      sys.path.insert(0, {str(REPO)!r})
+      from experiments import sweep
+      points = sweep.grid(task=["ende"], temperature=[0.0, 1.0], gamma=[1, 3, 5])
+      def measure(point, n=[0]):
+        n[0] += 1
+        if n[0] == 4:
+          with open({str(out)!r}, "a") as f:
+            f.write('{{"point_id": "' + sweep.point_id(point) + '", "task": "en')
+          os.kill(os.getpid(), signal.SIGKILL)
+        return {{"alpha": 0.5}}
+      sweep.run_sweep(points, measure, {str(out)!r}, progress=False)
+  """)
+  child = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60, check=False)
+  assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+  assert not out.read_text().endswith("\n")  # the torn row is really there
+  assert len(sweep.read_rows(out)) == 3
+
+  redone = []
+  sweep.run_sweep(POINTS, lambda p: redone.append(p) or {"alpha": 0.5}, out, progress=False)
+  assert redone == POINTS[3:]
+  lines = out.read_text().splitlines()
+  assert len(lines) == len(POINTS) and len({json.loads(l)["point_id"] for l in lines}) == len(POINTS)
+
+
+def test_torn_tail_that_parses_is_redone(tmp_path):
+  out = tmp_path / "r.jsonl"
+  sweep.run_sweep(POINTS[:2], fake_measure, out, progress=False)
+  out.write_text(out.read_text()[:-1])  # the last row lost its newline: its write did not finish
+  redone = []
+  sweep.run_sweep(POINTS, lambda p: redone.append(p) or fake_measure(p), out, progress=False)
+  assert redone == POINTS[1:]
+  assert len(out.read_text().splitlines()) == len(POINTS)
+
+
+def test_corrupt_middle_line_refused(tmp_path):
+  out = tmp_path / "r.jsonl"
+  sweep.run_sweep(POINTS[:2], fake_measure, out, progress=False)
+  lines = out.read_text().splitlines()
+  out.write_text(lines[0][:10] + "\n" + lines[1] + "\n")
+  with pytest.raises(ValueError, match=r"r.jsonl: invalid JSON row at byte 0, line 1, in the middle"):
+    sweep.run_sweep(POINTS, fake_measure, out, progress=False)
+
+
+def test_gamma_below_one_refused(tmp_path):
+  assert sweep.validate_gammas([1, 3]) == [1, 3]
+  with pytest.raises(ValueError, match=r"gamma=0 in the grid \[1, 0, 3\] is < 1.*drop it"):
+    sweep.validate_gammas([1, 0, 3])
+  with pytest.raises(ValueError, match=r"gamma=2.5 .* not an integer"):
+    sweep.validate_gammas([2.5])
+  with pytest.raises(ValueError, match="empty"):
+    sweep.validate_gammas([])
+  out = tmp_path / "r.jsonl"
+  calls = []
+  with pytest.raises(ValueError, match="gamma=-1"):
+    sweep.run_sweep(sweep.grid(gamma=[2, -1]), calls.append, out, progress=False)
+  assert calls == [] and not out.exists()
+
+
+def test_other_sweep_config_refused(tmp_path):
+  out = tmp_path / "r.jsonl"
+  sweep.run_sweep(POINTS[:2], fake_measure, out, config={"target": "a", "seed": 0}, progress=False)
+  before = out.read_text()
+  with pytest.raises(ValueError, match="different sweep config.*Refusing to mix"):
+    sweep.run_sweep(POINTS, fake_measure, out, config={"target": "b", "seed": 0}, progress=False)
+  assert out.read_text() == before
+  # key order of the config does not matter
+  sweep.run_sweep(POINTS, fake_measure, out, config={"seed": 0, "target": "a"}, progress=False)
+  assert len(sweep.read_rows(out)) == len(POINTS)
+
+
+def test_second_writer_and_bad_measure_refused(tmp_path):
+  out = tmp_path / "r.jsonl"
+  with open(str(out) + ".lock", "a") as lock:
+    fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+    with pytest.raises(RuntimeError, match="another sweep is writing"):
+      sweep.run_sweep(POINTS, fake_measure, out, progress=False)
+  with pytest.raises(ValueError, match=r"changed the point's own parameters .*\['gamma'\]"):
+    sweep.run_sweep(POINTS, lambda p: {"gamma": 99}, out, progress=False)
+  with pytest.raises(ValueError, match=r"\['point_id'\]"):
+    sweep.run_sweep(POINTS, lambda p: {"point_id": "x"}, out, progress=False)
+  assert not out.exists() or out.read_text() == ""
