@@ -134,3 +134,17 @@ def param_logical_axes(config: DecoderConfig):
 def param_shapes(config: DecoderConfig):
   """A tree of jax.ShapeDtypeStruct shaped like the params (for checkpoint validation)."""
   return nn.unbox(_abstract_init(config))["params"]
+
+
+def truncate_layers(config: DecoderConfig, params, num_layers: int):
+  """An early-exit draft: the first `num_layers` blocks, then the final norm and the (tied) LM head.
+
+  Returns (config with num_layers, params sharing the kept arrays; nothing is copied). Without
+  training, the exit after k << L blocks predicts little like the full model (REFERENCE.md section 4),
+  but it needs no weights beyond the target's and shares its tokenizer and sharding.
+  """
+  if int(num_layers) != num_layers or not 1 <= num_layers <= config.num_layers:
+    raise ValueError(f"num_layers must be a whole number in 1..{config.num_layers}, got {num_layers}")
+  dropped = {f"layers_{i}" for i in range(num_layers, config.num_layers)}
+  kept = {name: leaf for name, leaf in params.items() if name not in dropped}
+  return dataclasses.replace(config, num_layers=int(num_layers)), kept

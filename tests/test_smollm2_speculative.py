@@ -1,0 +1,59 @@
+"""Speculative greedy decoding with the real SmolLM2-135M target equals its target-only greedy output,
+for the large-vocabulary drafters (prompt lookup on SmolLM2 is covered in test_speculative.py)."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from specjax import autoregressive, data, drafters, speculative
+from specjax.models import decoder_only
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def batch_and_expected(smollm2):
+  """Three real held-out prompts of mixed lengths (code, translation, news) in one right-padded batch,
+  and the target-only greedy continuation of each."""
+  config, params, tok = smollm2
+  texts = (list(data.load_prompt_set("humaneval", "heldout", limit=2).prompts)
+           + list(data.load_prompt_set("ende", "heldout", limit=1).prompts))
+  ids = [tok.encode(text) for text in texts]
+  assert len({len(i) for i in ids}) == len(ids)  # really ragged
+  tokens, lengths = data.make_batch(ids, tok.pad_id, bucket=32)
+  step = decoder_only.make_step(config)
+  init_cache = functools.partial(decoder_only.init_cache, config)
+  expected = autoregressive.make_generate(step, init_cache, autoregressive.DecodeShape(
+      NEW_TOKENS, eos_id=tok.eos_id, pad_id=tok.pad_id))(
+          params, tokens, lengths, jax.random.PRNGKey(0), 0.0)
+  return tokens, lengths, expected
+
+
+def _drafter(kind, config, params, tok):
+  if kind == "sparse bigram":
+    train = data.load_prompt_set("humaneval", "train")
+    text = [tok.encode(p + r) for p, r in zip(train.prompts, train.references)]
+    return drafters.SparseBigramDrafter(), drafters.sparse_bigram(text, config.vocab_size, top_k=32)
+  draft_config, draft_params = decoder_only.truncate_layers(config, params, 2)
+  return drafters.ModelDrafter(decoder_only.make_step(draft_config),
+                               functools.partial(decoder_only.init_cache, draft_config)), draft_params
+
+
+@pytest.mark.parametrize("kind", ["sparse bigram", "truncated 2 layers"])
+def test_greedy_equals_target_greedy(smollm2, batch_and_expected, kind):
+  config, params, tok = smollm2
+  tokens, lengths, expected = batch_and_expected
+  drafter, draft_params = _drafter(kind, config, params, tok)
+  out = speculative.make_speculative_decode(
+      decoder_only.make_step(config), functools.partial(decoder_only.init_cache, config), drafter,
+      speculative.SpecShape(gamma=3, max_new_tokens=NEW_TOKENS, eos_id=tok.eos_id,
+                            pad_id=tok.pad_id))(
+          params, draft_params, tokens, lengths, jax.random.PRNGKey(0), 0.0)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(out.num_generated, expected.num_generated)
+  n = np.asarray(out.stats.num_accepted)
+  print(kind, "mean accepted per iteration", n[n >= 0].mean(), "iterations", int(out.target_calls))
