@@ -4,23 +4,11 @@ from __future__ import annotations
 
 import json
 import pathlib
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
-
-def median_seconds(fn, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
-  """Median wall time of fn() over `repeats` runs after `warmup` untimed runs; fn must block."""
-  for _ in range(warmup):
-    fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), times
+from experiments.measure import median_seconds
 
 
 def memory_bandwidth_gbps(megabytes: int = 512, repeats: int = 7) -> float:

@@ -37,17 +37,17 @@ import argparse
 import functools
 import os
 import platform
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm import tqdm
 
 import common
-from specjax import (assets, autoregressive, checkpoints, data, drafters, metrics, sampling,
-                     speculative, theory, tokenizer)
+from experiments.measure import (draft_step, fresh_state, ints, load_prompts, make_drafter,
+                                 ms_per_token, one_token, prefill_seconds, step_seconds,
+                                 summarize_outputs, target_step_fn, time_passes, train_sequences)
+from specjax import assets, autoregressive, checkpoints, drafters, speculative, theory, tokenizer
 from specjax.models import decoder_only
 
 
@@ -76,152 +76,6 @@ def parse_args():
   return parser.parse_args()
 
 
-def ints(text):
-  return [int(x) for x in text.split(",") if x]
-
-
-# ---- setup ------------------------------------------------------------------------------------------
-
-def train_sequences(tok):
-  """Token ids of the train split of every prompt set, prompt + reference (the text a model writes)."""
-  sequences = []
-  for name in ("humaneval", "news", "ende"):
-    split = data.load_prompt_set(name, "train")
-    sequences += [tok.encode(p + (r or "")) for p, r in zip(split.prompts, split.references)]
-  return sequences
-
-
-def make_drafters(names, config, params, tok, args):
-  """name -> (drafter, draft params, gammas to sweep)."""
-  made, sequences = {}, None
-  for name in names:
-    if name in ("bigram", "lookup") and sequences is None:
-      sequences = train_sequences(tok)
-    if name == "bigram":
-      made[name] = (drafters.SparseBigramDrafter(),
-                    drafters.sparse_bigram(sequences, config.vocab_size, args.bigram_top_k,
-                                           args.bigram_concentration), ints(args.gammas))
-    elif name == "lookup":
-      made[name] = (drafters.PromptLookupDrafter(config.vocab_size, max_ngram=args.lookup_ngram),
-                    drafters.unigram_table(sequences, config.vocab_size), ints(args.gammas))
-    elif name.startswith("layers"):
-      draft_config, draft_params = decoder_only.truncate_layers(config, params, int(name[6:]))
-      made[name] = (model_drafter(draft_config), draft_params, ints(args.layer_gammas))
-    else:
-      raise ValueError(f"unknown drafter {name!r}: use bigram, lookup or layers{{k}}")
-  # On the device once: host (numpy) tables would be copied in on every call of a timed step.
-  return {name: (d, jax.device_put(dp), g) for name, (d, dp, g) in made.items()}
-
-
-def model_drafter(config):
-  return drafters.ModelDrafter(decoder_only.make_step(config),
-                               functools.partial(decoder_only.init_cache, config))
-
-
-def load_prompts(tok, count):
-  """The first `count` held-out HumanEval prompts as batch-1 arrays padded to one shared length."""
-  heldout = data.load_prompt_set("humaneval", "heldout", limit=count)
-  tokens, lengths = data.make_batch([tok.encode(p) for p in heldout.prompts], tok.pad_id, bucket=32)
-  return [(tokens[i:i + 1], lengths[i:i + 1]) for i in range(len(lengths))], list(heldout.keys)
-
-
-# ---- timing -----------------------------------------------------------------------------------------
-
-def time_passes(run_one, prompts, repeats, warmup):
-  """Median over `repeats` of the summed wall time of run_one(tokens, lengths) over all prompts, after
-  `warmup` untimed runs on the first prompt (warming a compiled program needs no full pass). run_one
-  must block. Returns (seconds, per-pass seconds, the last pass's outputs)."""
-  outputs = []
-  for _ in range(warmup):
-    run_one(*prompts[0])
-
-  def one_pass():
-    outputs.clear()
-    outputs.extend(run_one(tokens, lengths) for tokens, lengths in prompts)
-
-  seconds, passes = common.median_seconds(one_pass, repeats, warmup=0)
-  return seconds, passes, list(outputs)
-
-
-def prefill_seconds(target_step, target_init, drafter, target_params, draft_params, prompt,
-                    max_length, repeats):
-  """Median time of the work before the first token: the target's prefill (+ the drafter's init)."""
-  def prefill(tp, dp, tokens, lengths):
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    out = target_step(tp, tokens, positions, target_init(1, max_length))
-    return out if drafter is None else (out, drafter.init(dp, tokens, lengths, max_length))
-  compiled = jax.jit(prefill).lower(target_params, draft_params, *prompt).compile()
-  return common.median_seconds(
-      lambda: jax.block_until_ready(compiled(target_params, draft_params, *prompt)), repeats)[0]
-
-
-def step_seconds(step_fn, params, state, tokens, positions, repeats):
-  """Median wall time of one jitted step_fn(params, state, tokens, positions) -> (out, state), with
-  the state donated and threaded through, as inside the loop (no cache copies)."""
-  fn = jax.jit(step_fn, donate_argnums=1)
-  _, state = jax.block_until_ready(fn(params, state, tokens, positions))  # compile + warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    _, state = jax.block_until_ready(fn(params, state, tokens, positions))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
-def transform(logits):
-  return sampling.probs_from_logits(logits, 1.0)
-
-
-def draft_step(drafter):
-  """One draft step as the loop runs it: propose (transform included), then sample the token."""
-  def fn(params, state, tokens, positions):
-    probs, state = drafter.propose(params, state, tokens, positions, transform)
-    return sampling.sample_with_uniform(jnp.full(probs.shape[:-1], 0.5), probs), state
-  return fn
-
-
-def target_step_fn(target_step):
-  """The target scoring T tokens: step, transform at every position, sample the last."""
-  def fn(params, cache, tokens, positions):
-    logits, cache = target_step(params, tokens, positions, cache)
-    probs = transform(logits)
-    return sampling.sample_with_uniform(jnp.full((1,), 0.5), probs[:, -1]), cache
-  return fn
-
-
-def fresh_state(drafter, params, prompt, max_length):
-  tokens, lengths = prompt
-  return jax.jit(drafter.init, static_argnums=3)(params, tokens, lengths, max_length)
-
-
-def one_token(prompt, width=1):
-  """tokens[1, width] (the last prompt token repeated) at the positions right after the prompt."""
-  tokens, lengths = prompt
-  last = int(tokens[0, int(lengths[0]) - 1])
-  return (jnp.full((1, width), last, jnp.int32),
-          jnp.asarray(int(lengths[0]) + np.arange(width), jnp.int32)[None])
-
-
-# ---- the runs ---------------------------------------------------------------------------------------
-
-def summarize_outputs(outputs):
-  """Per-prompt SpecOutputs -> metrics.summarize of them stacked as one batch."""
-  stats = jax.tree_util.tree_map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]),
-                                 *[o.stats for o in outputs])
-  stacked = speculative.SpecOutput(
-      tokens=np.concatenate([np.asarray(o.tokens) for o in outputs]),
-      num_generated=np.concatenate([np.asarray(o.num_generated) for o in outputs]),
-      target_calls=sum(int(o.target_calls) for o in outputs),
-      draft_calls=sum(int(o.draft_calls) for o in outputs), stats=stats)
-  return metrics.summarize(stacked)
-
-
-def ms_per_token(seconds, prefill_s, num_prompts, new_tokens):
-  """(decode ms per token after the first, end-to-end ms per token)."""
-  decode = (seconds - num_prompts * prefill_s) / (num_prompts * (new_tokens - 1))
-  return 1000 * decode, 1000 * seconds / (num_prompts * new_tokens)
-
-
 def main():
   args = parse_args()
   started = time.perf_counter()
@@ -234,7 +88,16 @@ def main():
   prompt_len = prompts[0][0].shape[1]
   target_step = decoder_only.make_step(config)
   target_init = functools.partial(decoder_only.init_cache, config)
-  made = make_drafters(args.drafters.split(","), config, params, tok, args)
+  names = args.drafters.split(",")
+  sequences = train_sequences(tok) if {"bigram", "lookup"} & set(names) else None
+  made = {}
+  for name in names:
+    drafter, draft_params = make_drafter(name, config, params, sequences,
+                                         bigram_top_k=args.bigram_top_k,
+                                         bigram_concentration=args.bigram_concentration,
+                                         lookup_ngram=args.lookup_ngram)
+    made[name] = (drafter, draft_params,
+                  ints(args.layer_gammas if name.startswith("layers") else args.gammas))
   max_gamma = max(max(g) for _, _, g in made.values())
   max_length = prompt_len + args.new_tokens + max_gamma + 1
   print(f"{len(prompts)} prompts padded to {prompt_len} tokens, {args.new_tokens} new tokens; "
