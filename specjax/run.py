@@ -31,6 +31,7 @@ import numpy as np
 from absl import app, flags, logging
 from tqdm import tqdm
 
+from experiments.speculative_sweep import SweepSpec, run_speculative_sweep
 from specjax import autoregressive, checkpoints, data, sampling, sharding
 from specjax.models import decoder_only
 from specjax.tokenizer import Tokenizer
@@ -119,11 +120,17 @@ def _prepare_output_dir(output_dir: pathlib.Path, spec: dict) -> set[str]:
 @gin.configurable
 def run(output_dir: str = "out/smollm2_generate", target: ModelSpec = ModelSpec(),
         prompts: PromptSpec = PromptSpec(), decode: DecodeSpec = DecodeSpec(),
-        mesh_shape: tuple = (1, 1), seed: int = 0) -> dict:
-  """Generate with the target on a prompt set; write generations, timings and a summary."""
+        sweep: SweepSpec | None = None, mesh_shape: tuple = (1, 1), seed: int = 0):
+  """Without `sweep`: generate with the target on a prompt set; write generations, timings and a
+  summary. With `sweep`: the measured speculative sweep (experiments/speculative_sweep.py) into
+  results.jsonl, then the papers' tables and plots; `prompts` then only sets the prompt style and
+  `decode` the new-token budget and top-k / top-p."""
   output_dir = pathlib.Path(output_dir)
   spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),
-          "decode": dataclasses.asdict(decode), "mesh_shape": list(mesh_shape), "seed": seed}
+          "decode": dataclasses.asdict(decode), "mesh_shape": list(mesh_shape), "seed": seed,
+          "sweep": None if sweep is None else dataclasses.asdict(sweep)}
+  if sweep is not None:
+    sweep.points()  # validates the grid before anything is loaded or written
   done = _prepare_output_dir(output_dir, spec)
   if jax.process_index() == 0:
     (output_dir / "config.gin").write_text(gin.config_str())
@@ -138,6 +145,13 @@ def run(output_dir: str = "out/smollm2_generate", target: ModelSpec = ModelSpec(
   param_shardings = sharding.decoder_param_shardings(config, mesh)
   params = sharding.place(params, param_shardings)
   logging.info("%s", sharding.describe(mesh))
+  if sweep is not None:
+    rows = run_speculative_sweep(output_dir, config, params, tokenizer, sweep,
+                                 max_new_tokens=decode.max_new_tokens, top_k=decode.top_k,
+                                 top_p=decode.top_p, seed=seed, fingerprint=spec,
+                                 style=prompts.style)
+    logging.info("sweep done: %d rows in %s", len(rows), output_dir)
+    return rows
 
   shape = autoregressive.DecodeShape(decode.max_new_tokens, decode.top_k, tokenizer.eos_id,
                                      tokenizer.pad_id, max_cache_length=None)

@@ -1,0 +1,160 @@
+"""The measured sweep behind `python -m specjax.run` when a config binds `run.run.sweep`.
+
+Every point (task x drafter x temperature x lenience x gamma) times the autoregressive baseline and the
+speculative run side by side in this process, on the same held-out prompts (batch 1 each, padded to
+one length per task) and the same seeds, and writes one JSONL row (schema: experiments/README.md):
+alpha, acceptance, tokens per target call, ms per emitted token of both, the speedup, c measured as
+draft step / target step on this hardware, Thm 3.8's prediction from the measured alpha and c, and,
+for greedy lossless points, whether the outputs equal the baseline's token for token.
+
+ms per token is end to end (prefill included) over the tokens each run emitted (EOS on), so greedy
+points compare identical token streams and sampled points compare per-token costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from experiments import measure, sweep
+from specjax import autoregressive, speculative, theory
+from specjax.models import decoder_only
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSpec:
+  """The grid. gammas are static (one compile each); temperatures and leniences are traced (no
+  recompile). Leniences < 1 are lossy (Leviathan app. A.5) and run only at `lenience_gammas`."""
+  tasks: tuple = ("humaneval",)
+  drafters: tuple = ("lookup",)
+  gammas: tuple = (1, 2, 3, 4)
+  temperatures: tuple = (0.0, 1.0)
+  leniences: tuple = (1.0,)
+  lenience_gammas: tuple = (3,)
+  prompts_per_task: int = 4
+  repeats: int = 1
+
+  def points(self) -> list[dict]:
+    gammas = sweep.validate_gammas(self.gammas)
+    lossless = sweep.grid(task=list(self.tasks), drafter=list(self.drafters),
+                          temperature=list(self.temperatures), lenience=[1.0], gamma=gammas)
+    lossy = [l for l in self.leniences if l != 1.0]
+    for value in lossy:
+      speculative.validate_lenience(value)
+    lenient = sweep.grid(task=list(self.tasks), drafter=list(self.drafters),
+                         temperature=list(self.temperatures), lenience=lossy,
+                         gamma=sweep.validate_gammas(self.lenience_gammas)) if lossy else []
+    return lossless + lenient
+
+
+class _Bench:
+  """What points share: the target, drafters, prompts, compiled programs and step costs."""
+
+  def __init__(self, config, params, tokenizer, spec: SweepSpec, max_new_tokens, top_k, top_p, seed,
+               style):
+    self.config, self.params, self.tok, self.spec = config, params, tokenizer, spec
+    self.max_new, self.top_k, self.top_p = max_new_tokens, top_k, top_p
+    self.rng = jax.random.PRNGKey(seed)
+    self.target_step = decoder_only.make_step(config)
+    self.target_init = functools.partial(decoder_only.init_cache, config)
+    names = set(spec.drafters)
+    sequences = (measure.train_sequences(tokenizer) if names & {"unigram", "bigram", "lookup"}
+                 else None)
+    self.drafters = {n: measure.make_drafter(n, config, params, sequences) for n in spec.drafters}
+    self.prompts = {t: measure.load_prompts(tokenizer, spec.prompts_per_task, t, style)[0]
+                    for t in spec.tasks}
+    self._compiled = {}
+    self.step_ms = self._step_costs()
+
+  def _step_costs(self) -> dict:
+    """Median single-step times (batch 1, T = 1) of the target and every drafter, for c."""
+    prompt = next(iter(self.prompts.values()))[0]
+    length = prompt[0].shape[1] + self.max_new + max(self.spec.gammas) + 2
+    target = measure.model_drafter(self.config)  # only for its prefilled cache
+    costs = {"target": 1000 * measure.step_seconds(
+        measure.target_step_fn(self.target_step), self.params,
+        measure.fresh_state(target, self.params, prompt, length), *measure.one_token(prompt), 15)}
+    for name, (drafter, draft_params) in self.drafters.items():
+      costs[name] = 1000 * measure.step_seconds(
+          measure.draft_step(drafter), draft_params,
+          measure.fresh_state(drafter, draft_params, prompt, length), *measure.one_token(prompt), 15)
+    logging.info("step ms: %s", {k: round(v, 2) for k, v in costs.items()})
+    return costs
+
+  def _program(self, key, build):
+    if key not in self._compiled:
+      self._compiled[key] = build()
+    return self._compiled[key]
+
+  def baseline(self, task, temperature):
+    shape = autoregressive.DecodeShape(self.max_new, self.top_k, self.tok.eos_id, self.tok.pad_id)
+    generate = self._program(("base", task), lambda: autoregressive.make_generate(
+        self.target_step, self.target_init, shape))
+    run = lambda tokens, lengths: jax.block_until_ready(generate(
+        self.params, tokens, lengths, self.rng, jnp.float32(temperature), jnp.float32(self.top_p)))
+    return self._timed(task, run)
+
+  def speculative(self, task, drafter_name, gamma, temperature, lenience):
+    drafter, draft_params = self.drafters[drafter_name]
+    shape = speculative.SpecShape(gamma, self.max_new, self.top_k, self.tok.eos_id, self.tok.pad_id)
+    decode = self._program(("spec", task, drafter_name, gamma), lambda: speculative.make_speculative_decode(
+        self.target_step, self.target_init, drafter, shape))
+    run = lambda tokens, lengths: jax.block_until_ready(decode(
+        self.params, draft_params, tokens, lengths, self.rng, temperature, self.top_p, lenience))
+    return self._timed(task, run)
+
+  def _timed(self, task, run):
+    """(ms per emitted token, outputs) over the task's prompts, after one untimed warm-up run."""
+    seconds, _, outputs = measure.time_passes(run, self.prompts[task], self.spec.repeats, warmup=1)
+    tokens = sum(int(np.asarray(o.num_generated).sum()) for o in outputs)
+    return 1000 * seconds / max(tokens, 1), outputs
+
+  def measure_point(self, point: dict) -> dict:
+    task, name, gamma = point["task"], point["drafter"], point["gamma"]
+    temperature, lenience = point["temperature"], point["lenience"]
+    base_ms, base_out = self.baseline(task, temperature)
+    spec_ms, spec_out = self.speculative(task, name, gamma, temperature, lenience)
+    summary = measure.summarize_outputs(spec_out)
+    c = self.step_ms[name] / self.step_ms["target"]
+    alpha = summary["alpha_estimate"]
+    match = None
+    if temperature == 0.0 and lenience == 1.0:
+      match = all(np.array_equal(np.asarray(b.tokens), np.asarray(s.tokens))
+                  for b, s in zip(base_out, spec_out))
+    return {
+        "target": "smollm2-135m" if self.config == decoder_only.SIZES["smollm2-135m"] else "custom",
+        "top_k": self.top_k, "top_p": self.top_p, "alpha": alpha,
+        "acceptance_rate": summary["empirical_alpha"],
+        "tokens_per_target_call": summary["tokens_per_target_call"],
+        "per_position_acceptance": summary["per_position_acceptance"],
+        "acceptance_histogram": summary["acceptance_histogram"],
+        "baseline_ms_per_token": base_ms, "speculative_ms_per_token": spec_ms,
+        "speedup": base_ms / spec_ms, "target_step_ms": self.step_ms["target"],
+        "draft_step_ms": self.step_ms[name], "c": c,
+        "predicted_speedup": float(theory.walltime_improvement(alpha, gamma, c)),
+        "outputs_match_baseline": match, "prompts": len(self.prompts[task]),
+        "new_tokens": summary["tokens"], "ms_per_128_tokens": 128 * spec_ms,
+    }
+
+
+def run_speculative_sweep(output_dir, config, params, tokenizer, spec: SweepSpec, *, max_new_tokens,
+                          top_k, top_p, seed, fingerprint: dict, style="chat") -> list[dict]:
+  """Measure every point of `spec` into output_dir/results.jsonl (resumable), then write the tables
+  and plots next to it. Returns the rows."""
+  from experiments import plots, tables  # pylint: disable=import-outside-toplevel
+  points = spec.points()
+  start = time.perf_counter()
+  bench = _Bench(config, params, tokenizer, spec, max_new_tokens, top_k, top_p, seed, style)
+  logging.info("sweep of %d points; setup %.0fs", len(points), time.perf_counter() - start)
+  rows = sweep.run_sweep(points, bench.measure_point, f"{output_dir}/results.jsonl", desc="sweep",
+                         config=fingerprint)
+  if jax.process_index() == 0:
+    tables.write_all(rows, output_dir)
+    plots.plot_all(rows, output_dir)
+  return rows

@@ -1,0 +1,77 @@
+"""notebooks/quickstart.ipynb executes top to bottom on CPU, in this interpreter's environment.
+
+The kernel is pinned to sys.executable: a temporary kernelspec named python3 is put first on
+JUPYTER_PATH, so a python3 kernelspec elsewhere on the machine (a user's, the system's) cannot swap in
+another interpreter without specjax. The notebook runs from the repository root, writes its sweep into
+a temporary directory (SPECJAX_QUICKSTART_OUT) and must show the tables and at least one plot.
+"""
+
+import json
+import pathlib
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
+BUDGET_S = 120  # the whole notebook, kernel start included, on 2 CPU cores
+
+
+def _pin_kernel(tmp_path, monkeypatch) -> None:
+  """A python3 kernelspec that runs sys.executable, first on JUPYTER_PATH; checked to resolve."""
+  from jupyter_client.kernelspec import KernelSpecManager  # pylint: disable=import-outside-toplevel
+  spec_dir = tmp_path / "jupyter" / "kernels" / "python3"
+  spec_dir.mkdir(parents=True)
+  (spec_dir / "kernel.json").write_text(json.dumps({
+      "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+      "display_name": "Python 3 (specjax tests)", "language": "python"}))
+  monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+  spec = KernelSpecManager().get_kernel_spec("python3")
+  assert spec.argv[0] == sys.executable, spec.argv
+
+
+def _text(output) -> str:
+  """Everything a cell output shows as text: stream text, or the text/* entries of display data."""
+  if output.get("output_type") == "stream":
+    return output.get("text", "")
+  return "\n".join(str(value) for key, value in output.get("data", {}).items()
+                   if key.startswith("text/"))
+
+
+def _cell(nb, tag):
+  return next(c for c in nb.cells if tag in c.get("metadata", {}).get("tags", []))
+
+
+@pytest.mark.slow
+def test_quickstart_notebook_runs_on_cpu(tmp_path, monkeypatch):
+  import nbclient  # pylint: disable=import-outside-toplevel
+  import nbformat  # pylint: disable=import-outside-toplevel
+
+  committed = nbformat.read(NOTEBOOK, as_version=4)
+  assert all(not c.get("outputs") and c.get("execution_count") is None
+             for c in committed.cells if c.cell_type == "code"), "commit the notebook with outputs cleared"
+
+  _pin_kernel(tmp_path, monkeypatch)
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  out = tmp_path / "quickstart"
+  monkeypatch.setenv("SPECJAX_QUICKSTART_OUT", str(out))
+
+  nb = nbformat.read(NOTEBOOK, as_version=4)
+  client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=BUDGET_S, startup_timeout=60,
+                                   resources={"metadata": {"path": str(ROOT)}})
+  start = time.perf_counter()
+  client.execute()  # raises CellExecutionError on the first failing cell
+  seconds = time.perf_counter() - start
+  assert seconds < BUDGET_S, f"the quick start took {seconds:.0f}s"
+
+  errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+            if o.get("output_type") == "error"]
+  assert not errors, errors
+  setup = "".join(_text(o) for o in nb.cells[1].outputs)
+  assert f"python : {sys.executable}" in setup and "backend: cpu" in setup, setup
+  assert "alpha" in "".join(_text(o) for o in _cell(nb, "tables").outputs)
+  assert any("image/png" in o.get("data", {}) for o in _cell(nb, "plots").outputs)
+  rows = (out / "results.jsonl").read_text().splitlines()
+  assert len(rows) == 2  # gammas (1, 2) x greedy, one row each
+  assert all(json.loads(r)["outputs_match_baseline"] is True for r in rows)
