@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m specjax.run --gin_file=configs/smollm2_generate.gin "$@"
+exec .venv/bin/python -m specjax.run --gin_file=configs/smollm2_default.gin "$@"

@@ -102,6 +102,7 @@ def _prepare_output_dir(output_dir: pathlib.Path, spec: dict) -> set[str]:
   """Refuse a directory holding another spec's results; return the keys already finished."""
   output_dir.mkdir(parents=True, exist_ok=True)
   spec_path = output_dir / "spec.json"
+  spec = json.loads(json.dumps(spec))  # tuples -> lists, as a reread spec.json has them
   if spec_path.exists() and json.loads(spec_path.read_text()) != spec:
     raise ValueError(f"{output_dir} holds results of a different config (see its spec.json); choose "
                      "another output_dir or delete that one: results of two configs are never mixed")
