@@ -1,6 +1,8 @@
 """Shared fixtures. Multi-device tests set XLA_FLAGS themselves in a subprocess."""
 
+import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -19,6 +21,23 @@ def random_decoder_params(config, seed=0, scale=0.2):
     return (scale * rng.randn(*leaf.shape)).astype(np.float32)
 
   return jax.tree_util.tree_map(scaled, params)
+
+
+@flax.struct.dataclass
+class LengthsCache:
+  """The cache of a table model: nothing but each row's length."""
+  lengths: jax.Array
+
+
+def bigram_step(table, tokens, positions, cache):
+  """A table model (DESIGN.md: speculative.py never imports models/): next-token logits =
+  table[token]; the cache only tracks lengths."""
+  return table[tokens], cache.replace(lengths=positions[:, -1] + 1)
+
+
+def bigram_cache(batch, max_length):
+  del max_length  # a table model stores nothing per position
+  return LengthsCache(jnp.zeros((batch,), jnp.int32))
 
 
 @pytest.fixture(scope="session")

@@ -2,29 +2,17 @@
 
 import functools
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import random_decoder_params
+from conftest import bigram_cache, bigram_step, random_decoder_params
 from specjax import drafters, sampling, speculative
 from specjax.models import decoder_only
 
 
-@flax.struct.dataclass
-class LengthsCache:
-  lengths: jax.Array
-
-
-def bigram_step(table, tokens, positions, cache):
-  return table[tokens], cache.replace(lengths=positions[:, -1] + 1)
-
-
-def bigram_cache(batch, max_length):
-  return LengthsCache(jnp.zeros((batch,), jnp.int32))
 
 
 def _transform(temperature=1.0, top_k=0, top_p=1.0):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import random_decoder_params
+from conftest import bigram_cache, bigram_step, random_decoder_params
 from specjax import autoregressive, drafters, metrics, sampling, speculative, theory
 from specjax.models import decoder_only
 
@@ -17,18 +17,6 @@ from specjax.models import decoder_only
 # Table models: logits looked up from fixed arrays (DESIGN.md: speculative.py never imports models/).
 
 
-@flax.struct.dataclass
-class LengthsCache:
-  lengths: jax.Array
-
-
-def bigram_step(table, tokens, positions, cache):
-  """Next-token logits = table[token]; the cache only tracks lengths."""
-  return table[tokens], cache.replace(lengths=positions[:, -1] + 1)
-
-
-def bigram_cache(batch, max_length):
-  return LengthsCache(jnp.zeros((batch,), jnp.int32))
 
 
 @flax.struct.dataclass

@@ -163,8 +163,7 @@ CONVERSATIONS = [
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_jinja(tok, gguf_tokenizer_fields, messages, add_generation_prompt):
-  import jinja2  # pylint: disable=import-outside-toplevel
-  from jinja2.sandbox import ImmutableSandboxedEnvironment
+  from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=import-outside-toplevel
 
   # The environment transformers' apply_chat_template renders templates in.
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
