@@ -1,6 +1,6 @@
 """A resumable sweep runner: one JSONL row per finished point, safe to kill at any moment.
 
-Contract (issue 4): a sweep killed at any moment loses at most the point in flight and never duplicates
+Contract: a sweep killed at any moment loses at most the point in flight and never duplicates
 a row. It holds because
 
   * each finished point is appended as ONE line in a single write, then flushed and fsynced before the
