@@ -85,7 +85,7 @@ def generate(step: StepFn, init_cache: Callable[[int, int], object], shape: Deco
   rng, first_rng = jax.random.split(rng)
   first = sampling.sample(first_rng, probs_fn(last_prompt_logits(logits, prompt_lengths)))
   out = jnp.full((batch, max_new), shape.pad_id, jnp.int32).at[:, 0].set(first)
-  done = _is_eos(first, shape.eos_id) | (max_new == 1)
+  done = is_eos(first, shape.eos_id) | (max_new == 1)
   num = jnp.ones((batch,), jnp.int32)
 
   def cond(state):
@@ -102,14 +102,15 @@ def generate(step: StepFn, init_cache: Callable[[int, int], object], shape: Deco
     token = jnp.where(done, shape.pad_id, token)
     out = out.at[:, i].set(token)
     num = num + (~done).astype(jnp.int32)
-    done = done | _is_eos(token, shape.eos_id) | (i + 1 >= max_new)
+    done = done | is_eos(token, shape.eos_id) | (i + 1 >= max_new)
     return i + 1, out, num, done, cache, rng
 
   i, out, num, _, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), out, num, done, cache, rng))
   return GenerateOutput(out, num, i - 1)
 
 
-def _is_eos(token: jax.Array, eos_id: int | None) -> jax.Array:
+def is_eos(token: jax.Array, eos_id: int | None) -> jax.Array:
+  """token[...] -> bool[...]; all False when there is no EOS (eos_id None)."""
   if eos_id is None:
     return jnp.zeros(token.shape, bool)
   return token == eos_id

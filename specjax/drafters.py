@@ -38,9 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _replace_lengths(cache, lengths):
-  return cache.replace(lengths=lengths.astype(jnp.int32))
+from specjax.speculative import replace_lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +47,7 @@ class ModelDrafter:
   cache), with init_cache(batch, max_length) and a cache carrying lengths[B] (set by `set_lengths`)."""
   step: Callable
   init_cache: Callable
-  set_lengths: Callable = _replace_lengths
+  set_lengths: Callable = replace_lengths
 
   def init(self, params, prompt_tokens, prompt_lengths, max_length):
     batch, prompt_len = prompt_tokens.shape

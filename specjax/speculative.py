@@ -294,12 +294,9 @@ class LoopState:
   stats: SpecStats
 
 
-def _replace_lengths(cache, lengths):
+def replace_lengths(cache, lengths):
+  """The default rollback: any cache with a `lengths[B]` field (kv_cache.set_lengths for ours)."""
   return cache.replace(lengths=lengths.astype(jnp.int32))
-
-
-def _is_eos(tokens, eos_id):
-  return jnp.zeros(tokens.shape, bool) if eos_id is None else tokens == eos_id
 
 
 def _check_vocab(target_vocab, drafter, draft_params, draft_state, batch):
@@ -315,7 +312,7 @@ def _check_vocab(target_vocab, drafter, draft_params, draft_state, batch):
 def speculative_decode(target_step: StepFn, target_init_cache, drafter, shape: SpecShape,
                        target_params, draft_params, prompt_tokens, prompt_lengths, rng,
                        temperature=0.0, top_p=1.0, lenience=1.0, *,
-                       set_lengths=_replace_lengths) -> SpecOutput:
+                       set_lengths=replace_lengths) -> SpecOutput:
   """Decode up to shape.max_new_tokens tokens per row. Jit with `make_speculative_decode`.
 
   Args:
@@ -356,7 +353,7 @@ def speculative_decode(target_step: StepFn, target_init_cache, drafter, shape: S
   state = LoopState(
       iteration=jnp.int32(0),
       out=jnp.full((batch, max_new + gamma + 1), pad, jnp.int32).at[:, 0].set(first),
-      num=jnp.ones((batch,), jnp.int32), done=_is_eos(first, shape.eos_id) | (max_new == 1),
+      num=jnp.ones((batch,), jnp.int32), done=autoregressive.is_eos(first, shape.eos_id) | (max_new == 1),
       last=first, prev=prompt_tokens[rows, prompt_lengths - 1].astype(jnp.int32), pos=prompt_lengths,
       target_cache=target_cache, draft_state=drafter.rollback(draft_state, prompt_lengths - 1),
       stats=stats)
@@ -383,7 +380,7 @@ def speculative_decode(target_step: StepFn, target_init_cache, drafter, shape: S
     j = jnp.arange(gamma + 1)[None, :]
     drafted = jnp.concatenate([draft_tokens, jnp.zeros_like(draft_tokens[:, :1])], axis=1)
     candidates = jnp.where(j < n[:, None], drafted, next_token[:, None])
-    eos = _is_eos(candidates, shape.eos_id) & (j <= n[:, None])
+    eos = autoregressive.is_eos(candidates, shape.eos_id) & (j <= n[:, None])
     before_eos = (jnp.cumsum(eos, axis=1) - eos) == 0  # up to and including the first EOS
     keep = ((j <= n[:, None]) & before_eos & (s.num[:, None] + j < max_new) & ~s.done[:, None])
     out = s.out.at[rows[:, None], s.num[:, None] + j].set(jnp.where(keep, candidates, pad))
@@ -424,7 +421,7 @@ def _validate_concrete(temperature, top_p, lenience) -> None:
 
 
 def make_speculative_decode(target_step: StepFn, target_init_cache, drafter, shape,
-                            *, set_lengths=_replace_lengths, **jit_kwargs):
+                            *, set_lengths=replace_lengths, **jit_kwargs):
   """jit(speculative_decode) for one (target, drafter, shape); shape is a SpecShape or SpecConfig.
 
   Returns fn(target_params, draft_params, prompt_tokens[B, P], prompt_lengths[B], rng,

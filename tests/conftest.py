@@ -1,5 +1,10 @@
 """Shared fixtures. Multi-device tests set XLA_FLAGS themselves in a subprocess."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -21,6 +26,17 @@ def random_decoder_params(config, seed=0, scale=0.2):
     return (scale * rng.randn(*leaf.shape)).astype(np.float32)
 
   return jax.tree_util.tree_map(scaled, params)
+
+
+def run_check_on_8_devices(script: str) -> str:
+  """Run tests/<script> in a subprocess (it sets XLA_FLAGS for 8 host devices before importing jax,
+  which is fixed per process); assert it succeeded and return its stdout."""
+  here = pathlib.Path(__file__).parent
+  env = dict(os.environ, PYTHONPATH=str(here) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  result = subprocess.run([sys.executable, str(here / script)], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+  assert result.returncode == 0, result.stdout + result.stderr
+  return result.stdout
 
 
 @flax.struct.dataclass

@@ -1,22 +1,13 @@
 """Sharded == unsharded on an 8-device CPU mesh (in a subprocess: the device count is fixed at import)."""
 
-import os
-import pathlib
-import subprocess
-import sys
-
 from jax.sharding import PartitionSpec
 
+from conftest import run_check_on_8_devices
 from specjax import axes, sharding
 
 
 def test_sharded_decoding_equals_unsharded():
-  here = pathlib.Path(__file__).parent
-  env = dict(os.environ, PYTHONPATH=str(here) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  result = subprocess.run([sys.executable, str(here / "sharded_check.py")], env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
-  assert result.returncode == 0, result.stdout + result.stderr
-  assert result.stdout.count("same tokens") == 3
+  assert run_check_on_8_devices("sharded_check.py").count("same tokens") == 3
 
 
 def test_axes_that_do_not_divide_are_replicated():

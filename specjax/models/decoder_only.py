@@ -14,7 +14,6 @@ wrote padding (a right-padded prefill) or rejected drafts roll back with `kv_cac
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.linen as nn
 import jax
@@ -111,18 +110,19 @@ def make_step(config: DecoderConfig):
   return step
 
 
-def _abstract_init(config: DecoderConfig):
-  cache = init_cache(config, 1, 2)
+def _example_inputs(config: DecoderConfig):
+  """(tokens, positions, cache) of one token: enough to create every parameter."""
   tokens = jnp.zeros((1, 1), jnp.int32)
-  return jax.eval_shape(functools.partial(DecoderOnly(config).init, method=None),
-                        jax.random.PRNGKey(0), tokens, tokens, cache)
+  return tokens, tokens, init_cache(config, 1, 2)
+
+
+def _abstract_init(config: DecoderConfig):
+  return jax.eval_shape(DecoderOnly(config).init, jax.random.PRNGKey(0), *_example_inputs(config))
 
 
 def init_params(config: DecoderConfig, rng: jax.Array):
   """Random parameters (normal, std 0.02; norm scales 1), unboxed."""
-  cache = init_cache(config, 1, 2)
-  tokens = jnp.zeros((1, 1), jnp.int32)
-  variables = jax.jit(DecoderOnly(config).init)(rng, tokens, tokens, cache)
+  variables = jax.jit(DecoderOnly(config).init)(rng, *_example_inputs(config))
   return nn.unbox(variables["params"])
 
 
