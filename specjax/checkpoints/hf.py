@@ -6,6 +6,7 @@ decoder_only parameters back in the same layout, so a draft trained here runs in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -15,6 +16,9 @@ from specjax.checkpoints import llama_layout
 from specjax.models.decoder_only import DecoderConfig
 
 _LLAMA_TYPES = ("llama", "mistral", "smollm2", "smollm3", "qwen2")
+# A subset-head draft also writes the vocabulary ids its head scores (JSON list, head order). Peers
+# running the exported model in transformers mask every other logit to -inf to get the same draft.
+HEAD_TOKENS_FILE = "head_tokens.json"
 
 
 def config_from_hf(hf: dict) -> DecoderConfig:
@@ -67,12 +71,18 @@ def load(directory):
     tensors.update(load_file(str(directory / name)))
   if cfg.tie_embeddings and "lm_head.weight" in tensors:
     tensors.pop("lm_head.weight")  # some exporters store the tied head twice
+  head_tokens = None
+  if (directory / HEAD_TOKENS_FILE).is_file():
+    head_tokens = np.asarray(json.loads((directory / HEAD_TOKENS_FILE).read_text()), np.int32)
+    cfg = dataclasses.replace(cfg, head_size=len(head_tokens))
   return cfg, llama_layout.params_from_hf_tensors(
-      lambda key: None if key not in tensors else tensors[key].astype(np.float32), cfg)
+      lambda key: None if key not in tensors else tensors[key].astype(np.float32), cfg,
+      head_tokens=head_tokens)
 
 
 def save(directory, cfg: DecoderConfig, params) -> pathlib.Path:
-  """Write config.json + model.safetensors (float32) that transformers' LlamaForCausalLM loads."""
+  """Write config.json + model.safetensors (float32) that transformers' LlamaForCausalLM loads (+
+  head_tokens.json for a subset head)."""
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
@@ -80,4 +90,7 @@ def save(directory, cfg: DecoderConfig, params) -> pathlib.Path:
   save_file({k: np.asarray(v, np.float32) for k, v in tensors.items()},
             str(directory / "model.safetensors"), metadata={"format": "pt"})
   (directory / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+  if cfg.head_size:
+    (directory / HEAD_TOKENS_FILE).write_text(
+        json.dumps([int(i) for i in np.asarray(params[llama_layout.HEAD_TOKENS])]) + "\n")
   return directory

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specjax.models.decoder_only import DecoderConfig
+from specjax.models.decoder_only import HEAD_TOKENS, DecoderConfig, validate_head_tokens
 
 # Our leaf (under params[f"layers_{i}"]) -> Hugging Face per-layer name.
 _LAYER_LEAVES = {
@@ -26,8 +26,9 @@ _LAYER_LEAVES = {
 }
 
 
-def params_from_hf_tensors(get, cfg: DecoderConfig, dtype=np.float32) -> dict:
-  """Build our param tree. get(hf_name) -> numpy array in HF orientation, or None when absent."""
+def params_from_hf_tensors(get, cfg: DecoderConfig, dtype=np.float32, head_tokens=None) -> dict:
+  """Build our param tree. get(hf_name) -> numpy array in HF orientation, or None when absent.
+  A subset-head config (cfg.head_size > 0) keeps the `head_tokens` rows of lm_head.weight."""
   params = {
       "embedding": _require(get, "model.embed_tokens.weight").astype(dtype),
       "final_norm": {"scale": _require(get, "model.norm.weight").astype(dtype)},
@@ -41,7 +42,12 @@ def params_from_hf_tensors(get, cfg: DecoderConfig, dtype=np.float32) -> dict:
           (hf if hf.ndim == 1 else hf.T).astype(dtype))
     params[f"layers_{i}"] = layer
   if not cfg.tie_embeddings:
-    params["lm_head"] = _require(get, "lm_head.weight").T.astype(dtype)
+    head = _require(get, "lm_head.weight")
+    if cfg.head_size:
+      head_tokens = validate_head_tokens(head_tokens, cfg)
+      head = head[head_tokens]
+      params[HEAD_TOKENS] = head_tokens
+    params["lm_head"] = np.ascontiguousarray(head.T.astype(dtype))
   return params
 
 
@@ -54,7 +60,14 @@ def hf_tensors_from_params(params, cfg: DecoderConfig) -> dict[str, np.ndarray]:
       ours = np.asarray(params[f"layers_{i}"][module][leaf])
       out[f"model.layers.{i}.{hf_name}"] = np.ascontiguousarray(ours if ours.ndim == 1 else ours.T)
   if not cfg.tie_embeddings:
-    out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
+    head = np.asarray(params["lm_head"]).T
+    if cfg.head_size:
+      # HF Llama heads cover the vocabulary and have no bias: rows off the subset are zero, so there
+      # those logits are 0, not -inf; `head_tokens` (written beside) says which rows are real.
+      full = np.zeros((cfg.vocab_size, cfg.embed_dim), head.dtype)
+      full[np.asarray(params[HEAD_TOKENS])] = head
+      head = full
+    out["lm_head.weight"] = np.ascontiguousarray(head)
   return out
 
 

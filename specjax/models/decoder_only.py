@@ -18,6 +18,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import axes
 from specjax.models import kv_cache
@@ -36,11 +37,23 @@ class DecoderConfig:
   rope_theta: float = 10000.0
   norm_eps: float = 1e-5
   tie_embeddings: bool = True
+  # 0: the LM head scores the whole vocabulary. K > 0: an untied head over K chosen tokens only (a
+  # draft's subset head; the ids are params[HEAD_TOKENS]); every other token gets logit -inf.
+  head_size: int = 0
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                        f"({self.num_kv_heads}) for grouped-query attention")
+    if not 0 <= self.head_size <= self.vocab_size:
+      raise ValueError(f"head_size must lie in 0..vocab_size ({self.vocab_size}), got {self.head_size}")
+    if self.head_size and self.tie_embeddings:
+      raise ValueError("a subset head (head_size > 0) is its own [embed, head_size] kernel; set "
+                       "tie_embeddings=False")
+
+
+# The params entry of a subset-head model: int32 [head_size] vocabulary ids its head columns score.
+HEAD_TOKENS = "head_tokens"
 
 
 SIZES = {
@@ -89,7 +102,8 @@ class DecoderOnly(nn.Module):
     if cfg.tie_embeddings:
       logits = jnp.einsum("bte,ve->btv", x, embedding)
     else:
-      lm_head = _param(self, "lm_head", (cfg.embed_dim, cfg.vocab_size), (axes.EMBED, axes.VOCAB))
+      lm_head = _param(self, "lm_head", (cfg.embed_dim, cfg.head_size or cfg.vocab_size),
+                       (axes.EMBED, axes.VOCAB))
       logits = x @ lm_head
     lengths = positions[:, -1].astype(jnp.int32) + 1
     return logits.astype(jnp.float32), kv_cache.KVCache(tuple(keys), tuple(values), lengths)
@@ -101,13 +115,35 @@ def init_cache(config: DecoderConfig, batch: int, max_length: int, dtype=jnp.flo
 
 
 def make_step(config: DecoderConfig):
-  """The step function of DESIGN.md contract 1 for this config (pure; jit it at the call site)."""
+  """The step function of DESIGN.md contract 1 for this config (pure; jit it at the call site).
+
+  A subset-head model (config.head_size > 0) returns full-vocabulary logits too: its K logits land at
+  params[HEAD_TOKENS] and every other token gets -inf, i.e. probability 0 after any transform. The
+  speculative accept rule stays lossless, since the residual max(p - q, 0) covers those tokens.
+  """
   model = DecoderOnly(config)
+  if not config.head_size:
+    return lambda params, tokens, positions, cache: model.apply({"params": params}, tokens,
+                                                                positions, cache)
 
   def step(params, tokens, positions, cache):
-    return model.apply({"params": params}, tokens, positions, cache)
+    head_logits, cache = model.apply({"params": model_params(params)}, tokens, positions, cache)
+    full = jnp.full(head_logits.shape[:-1] + (config.vocab_size,), -jnp.inf, head_logits.dtype)
+    return full.at[..., params[HEAD_TOKENS]].set(head_logits, mode="promise_in_bounds"), cache
 
   return step
+
+
+def model_params(params):
+  """The flax parameters of a model (without a subset head's token ids)."""
+  return {name: leaf for name, leaf in params.items() if name != HEAD_TOKENS}
+
+
+def head_logits_step(config: DecoderConfig):
+  """step -> (logits over the head's own columns [B, T, head_size or V], cache): what training uses."""
+  model = DecoderOnly(config)
+  return lambda params, tokens, positions, cache: model.apply(
+      {"params": model_params(params)}, tokens, positions, cache)
 
 
 def _example_inputs(config: DecoderConfig):
@@ -120,20 +156,41 @@ def _abstract_init(config: DecoderConfig):
   return jax.eval_shape(DecoderOnly(config).init, jax.random.PRNGKey(0), *_example_inputs(config))
 
 
-def init_params(config: DecoderConfig, rng: jax.Array):
-  """Random parameters (normal, std 0.02; norm scales 1), unboxed."""
+def init_params(config: DecoderConfig, rng: jax.Array, head_tokens=None):
+  """Random parameters (normal, std 0.02; norm scales 1), unboxed. A subset head scores
+  `head_tokens` (default: ids 0..head_size-1)."""
   variables = jax.jit(DecoderOnly(config).init)(rng, *_example_inputs(config))
-  return nn.unbox(variables["params"])
+  params = nn.unbox(variables["params"])
+  if config.head_size:
+    ids = np.arange(config.head_size) if head_tokens is None else np.asarray(head_tokens)
+    params = {**params, HEAD_TOKENS: jnp.asarray(validate_head_tokens(ids, config), jnp.int32)}
+  return params
+
+
+def validate_head_tokens(ids, config: DecoderConfig) -> np.ndarray:
+  ids = np.asarray(ids)
+  if ids.shape != (config.head_size,) or len(np.unique(ids)) != ids.size:
+    raise ValueError(f"head tokens must be {config.head_size} distinct ids, got shape {ids.shape} "
+                     f"with {len(np.unique(ids))} distinct")
+  if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
+    raise ValueError(f"head tokens must lie in 0..{config.vocab_size - 1}")
+  return ids.astype(np.int32)
 
 
 def param_logical_axes(config: DecoderConfig):
   """A tree shaped like the params whose leaves are PartitionSpecs of logical axis names."""
-  return nn.get_partition_spec(_abstract_init(config))["params"]
+  tree = dict(nn.get_partition_spec(_abstract_init(config))["params"])
+  if config.head_size:
+    tree[HEAD_TOKENS] = jax.sharding.PartitionSpec(None)  # replicated: every shard scatters all K
+  return tree
 
 
 def param_shapes(config: DecoderConfig):
   """A tree of jax.ShapeDtypeStruct shaped like the params (for checkpoint validation)."""
-  return nn.unbox(_abstract_init(config))["params"]
+  tree = dict(nn.unbox(_abstract_init(config))["params"])
+  if config.head_size:
+    tree[HEAD_TOKENS] = jax.ShapeDtypeStruct((config.head_size,), jnp.int32)
+  return tree
 
 
 def truncate_layers(config: DecoderConfig, params, num_layers: int):
