@@ -207,20 +207,26 @@ def parse_gin(files, bindings) -> None:
   gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS.gin_file:
-    raise app.UsageError("pass --gin_file=configs/<experiment>.gin (see configs/)")
-  parse_gin(flags.FLAGS.gin_file, flags.FLAGS.gin_bindings)
-  gin.get_configurable(run)()
-
-
-def cli():
+def gin_cli(entry, example: str) -> None:
+  """`python -m <module> --gin_file=... [--gin_bindings=...]`: parse the configs, then call the gin
+  configurable `entry` with what they bind. example: a config path for the usage error."""
   flags.DEFINE_multi_string("gin_file", [], "Gin config files (configs/*.gin).")
   flags.DEFINE_multi_string("gin_bindings", [], "Extra bindings, e.g. "
                             "\"run.DecodeSpec.temperature = 1.0\".")
+
+  def main(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS.gin_file:
+      raise app.UsageError(f"pass --gin_file={example}")
+    parse_gin(flags.FLAGS.gin_file, flags.FLAGS.gin_bindings)
+    gin.get_configurable(entry)()
+
   app.run(main)
+
+
+def cli():
+  gin_cli(run, "configs/<experiment>.gin (see configs/)")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,13 @@ def clean_gin():
 def test_every_config_parses_and_binds(config):
   """The paper configs name checkpoints that are not here: parsing and binding is what can be checked."""
   run.parse_gin([str(config)], [])
+  if config.name.endswith("_draft.gin"):  # python -m specjax.train_draft configs
+    from specjax import train_draft  # pylint: disable=import-outside-toplevel
+    bound = gin.get_bindings(train_draft.train)
+    assert {"output_dir", "target", "draft", "teacher", "training"} <= set(bound)
+    for spec in ("DraftShape", "TeacherSpec", "TrainSpec"):  # every binding names a real field
+      gin.get_configurable(getattr(train_draft, spec))()
+    return
   bound = gin.get_bindings(run.run)
   assert {"output_dir", "target", "prompts", "decode"} <= set(bound)
 
