@@ -23,6 +23,8 @@ Drafters here:
                       be 9.6 GB): each token's top-K continuations, backed off to a unigram.
   PromptLookupDrafter matches the last n tokens against the prompt + generated history and proposes
                       the token that followed the latest earlier match; keeps that history as state.
+  LookupThenDrafter   prompt lookup where an n-gram of the context repeats, another drafter (e.g. a
+                      trained model) elsewhere.
 Table log-probs are treated as logits and go through `transform`, so temperature sharpens or flattens
 them like the target's logits and top-k / top-p cut them the same way. Prompt lookup proposes a one-hot,
 which every transform leaves unchanged; with no match it falls back to its [V] table (uniform if None).
@@ -121,16 +123,49 @@ class PromptLookupDrafter:
     return LookupState(history, prompt_lengths.astype(jnp.int32))
 
   def propose(self, params, state, tokens, positions, transform):
-    rows = jnp.arange(tokens.shape[0])[:, None]
-    history = state.history.at[rows, positions].set(tokens.astype(jnp.int32))
-    proposal, found = lookup(history, positions[:, -1], self.max_ngram, self.min_ngram)
+    proposal, found, state = self.match(state, tokens, positions)
     logits = jnp.zeros((tokens.shape[0], self.vocab_size)) if params is None else jnp.broadcast_to(
         params, (tokens.shape[0], self.vocab_size))
     probs = jnp.where(found[:, None], jax.nn.one_hot(proposal, self.vocab_size), transform(logits))
-    return probs, LookupState(history, positions[:, -1] + 1)
+    return probs, state
+
+  def match(self, state, tokens, positions):
+    """Record the new tokens; -> (proposal[B], found[B], state) of the latest longest match."""
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    history = state.history.at[rows, positions].set(tokens.astype(jnp.int32))
+    proposal, found = lookup(history, positions[:, -1], self.max_ngram, self.min_ngram)
+    return proposal, found, LookupState(history, positions[:, -1] + 1)
 
   def rollback(self, state, lengths):
     return state.replace(lengths=lengths.astype(jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupThenDrafter:
+  """Prompt lookup where the context repeats itself, another drafter everywhere else.
+
+  Where the row's last n >= lookup.min_ngram tokens occurred before, the proposal is one-hot on the
+  token that followed (PromptLookupDrafter.match); otherwise it is `inner`'s distribution. Which one
+  applies is a function of the context alone, so the returned probabilities are still exactly those
+  the token is drawn from and the accept rule stays lossless. params: the inner drafter's.
+  State: (inner state, lookup history); both advance and roll back together.
+  """
+  inner: object
+  lookup: PromptLookupDrafter
+
+  def init(self, params, prompt_tokens, prompt_lengths, max_length):
+    return (self.inner.init(params, prompt_tokens, prompt_lengths, max_length),
+            self.lookup.init(None, prompt_tokens, prompt_lengths, max_length))
+
+  def propose(self, params, state, tokens, positions, transform):
+    inner_probs, inner_state = self.inner.propose(params, state[0], tokens, positions, transform)
+    proposal, found, lookup_state = self.lookup.match(state[1], tokens, positions)
+    probs = jnp.where(found[:, None], jax.nn.one_hot(proposal, inner_probs.shape[-1],
+                                                     dtype=inner_probs.dtype), inner_probs)
+    return probs, (inner_state, lookup_state)
+
+  def rollback(self, state, lengths):
+    return self.inner.rollback(state[0], lengths), self.lookup.rollback(state[1], lengths)
 
 
 def lookup(history, pos, max_ngram: int, min_ngram: int = 1):
