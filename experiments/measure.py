@@ -8,6 +8,7 @@ draft tables, decode time with prefill subtracted (Thm 3.8 models decoding only)
 from __future__ import annotations
 
 import functools
+import pathlib
 import statistics
 import time
 
@@ -47,13 +48,23 @@ def train_sequences(tok):
 
 
 def make_drafter(name: str, config, params, sequences=None, *, bigram_top_k: int = 64,
-                 bigram_concentration: float = 1.0, lookup_ngram: int = 3):
+                 bigram_concentration: float = 1.0, lookup_ngram: int = 3,
+                 lookup_min_ngram: int = 2):
   """A drafter by name for a decoder_only target -> (drafter, its params on the device).
+
+  `lookup+<name>` puts prompt lookup (n-grams of lookup_min_ngram..lookup_ngram tokens) in front of
+  any other drafter (LookupThenDrafter), e.g. `lookup+model:out/smollm2_draft/hf`.
 
   unigram / bigram: unigram / sparse top-K bigram counted on `sequences`; lookup: prompt lookup backed off to the unigram
   of `sequences`; layers{k}: the target's first k layers + final norm + tied head; model:<path>: a
   decoder-only checkpoint (.gguf or Hugging Face directory) sharing the target's vocabulary.
   """
+  if name.startswith("lookup+"):
+    inner, inner_params = make_drafter(
+        name[len("lookup+"):], config, params, sequences, bigram_top_k=bigram_top_k,
+        bigram_concentration=bigram_concentration, lookup_ngram=lookup_ngram)
+    return (drafters.LookupThenDrafter(inner, drafters.PromptLookupDrafter(
+        config.vocab_size, max_ngram=lookup_ngram, min_ngram=lookup_min_ngram)), inner_params)
   if name in ("bigram", "lookup", "unigram") and sequences is None:
     raise ValueError(f"the {name} drafter is counted on token sequences; pass sequences=")
   if name == "bigram":
@@ -66,7 +77,12 @@ def make_drafter(name: str, config, params, sequences=None, *, bigram_top_k: int
             drafters.unigram_table(sequences, config.vocab_size))
   elif name.startswith("model:"):
     from specjax import checkpoints  # pylint: disable=import-outside-toplevel
-    draft_config, draft_params = checkpoints.load_decoder(name[len("model:"):])
+    path = pathlib.Path(name[len("model:"):])
+    if not path.exists():
+      raise FileNotFoundError(
+          f"no draft checkpoint at {path}; train one first (python -m specjax.train_draft "
+          f"--gin_file=configs/smollm2_draft.gin writes out/smollm2_draft/hf; scripts/main.sh runs it)")
+    draft_config, draft_params = checkpoints.load_decoder(path)
     if draft_config.vocab_size != config.vocab_size:
       raise ValueError(f"vocabulary sizes differ: the target has {config.vocab_size} tokens, the draft "
                        f"{name} {draft_config.vocab_size}; speculative decoding needs one vocabulary")
@@ -75,7 +91,8 @@ def make_drafter(name: str, config, params, sequences=None, *, bigram_top_k: int
     draft_config, draft_params = decoder_only.truncate_layers(config, params, int(name[6:]))
     made = (model_drafter(draft_config), draft_params)
   else:
-    raise ValueError(f"unknown drafter {name!r}: use unigram, bigram, lookup, layers{{k}} (layers2) or "
+    raise ValueError(f"unknown drafter {name!r}: use unigram, bigram, lookup, layers{{k}} (layers2), "
+                     "lookup+<another drafter> or "
                      "model:<checkpoint path>")
   # On the device once: host (numpy) tables would be copied in on every call of a timed step.
   return made[0], jax.device_put(made[1])

@@ -8,13 +8,17 @@ draft step / target step on this hardware, Thm 3.8's prediction from the measure
 for greedy lossless points, whether the outputs equal the baseline's token for token.
 
 ms per token is end to end (prefill included) over the tokens each run emitted (EOS on), so greedy
-points compare identical token streams and sampled points compare per-token costs.
+points compare identical token streams and sampled points compare per-token costs. Decode ms per token
+leaves out the prefill (timed apart per task and drafter; Thm 3.8 models decoding only). The target's
+cost of scoring gamma + 1 tokens, v_gamma in one-token steps, is measured once per sweep, and each row
+also carries Thm 3.8 with v_gamma in place of 1 (theory.speedup_with_verify_cost).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
 import time
 
 import jax
@@ -63,15 +67,18 @@ class _Bench:
     self.rng = jax.random.PRNGKey(seed)
     self.target_step = decoder_only.make_step(config)
     self.target_init = functools.partial(decoder_only.init_cache, config)
-    names = set(spec.drafters)
-    sequences = (measure.train_sequences(tokenizer) if names & {"unigram", "bigram", "lookup"}
-                 else None)
+    tables = {"unigram", "bigram", "lookup"}  # drafters counted on the train split's text
+    needs_text = any(n in tables or n.startswith("lookup+") and n[len("lookup+"):] in tables
+                     for n in spec.drafters)
+    sequences = measure.train_sequences(tokenizer) if needs_text else None
     self.drafters = {n: measure.make_drafter(n, config, params, sequences) for n in spec.drafters}
     self.prompts = {t: measure.load_prompts(tokenizer, spec.prompts_per_task, t, style)[0]
                     for t in spec.tasks}
     self._compiled = {}
     self._warm = set()  # programs that have run once: a program's first run is slower
     self.step_ms = self._step_costs()
+    self.verify_cost = self._verify_costs()
+    self._prefill_s = {}
 
   def _step_costs(self) -> dict:
     """Median single-step times (batch 1, T = 1) of the target and every drafter, for c."""
@@ -87,6 +94,35 @@ class _Bench:
           measure.fresh_state(drafter, draft_params, prompt, length), *measure.one_token(prompt), 15)
     logging.info("step ms: %s", {k: round(v, 2) for k, v in costs.items()})
     return costs
+
+  def _verify_costs(self) -> dict:
+    """gamma -> the target scoring gamma + 1 tokens in target steps of one token (v_gamma)."""
+    prompt = next(iter(self.prompts.values()))[0]
+    length = prompt[0].shape[1] + self.max_new + max(self.spec.gammas) + 2
+    target = measure.model_drafter(self.config)
+    fn = measure.target_step_fn(self.target_step)
+    costs = {}
+    for gamma in sorted(set(self.spec.gammas) | set(self.spec.lenience_gammas)):
+      # Median of 3 medians: one median of 9 steps moved v by 0.2 between neighbouring gammas here.
+      ms = 1000 * statistics.median(measure.step_seconds(
+          fn, self.params, measure.fresh_state(target, self.params, prompt, length),
+          *measure.one_token(prompt, gamma + 1), 9) for _ in range(3))
+      costs[gamma] = ms / self.step_ms["target"]
+    logging.info("verification cost v_gamma (target steps): %s",
+                 {k: round(v, 2) for k, v in costs.items()})
+    return costs
+
+  def prefill_seconds(self, task, drafter_name):
+    """Time before the first token (target prefill, + the drafter's init) on the task's shape, with
+    caches sized for the largest gamma (one compile per task and drafter)."""
+    key = (task, drafter_name)
+    if key not in self._prefill_s:
+      drafter, draft_params = (None, None) if drafter_name is None else self.drafters[drafter_name]
+      prompt = self.prompts[task][0]
+      length = prompt[0].shape[1] + self.max_new + max(self.spec.gammas) + 2
+      self._prefill_s[key] = measure.prefill_seconds(self.target_step, self.target_init, drafter,
+                                                     self.params, draft_params, prompt, length, 5)
+    return self._prefill_s[key]
 
   def _program(self, key, build):
     if key not in self._compiled:
@@ -111,22 +147,29 @@ class _Bench:
     return self._timed(("spec", task, drafter_name, gamma), task, run)
 
   def _timed(self, program, task, run):
-    """(ms per emitted token, outputs) over the task's prompts; a program's first use gets one untimed
-    warm-up run (compilation happens there too)."""
+    """(seconds, tokens emitted, outputs) over the task's prompts; a program's first use gets one
+    untimed warm-up run (compilation happens there too)."""
     warmup = 0 if program in self._warm else 1
     self._warm.add(program)
     seconds, _, outputs = measure.time_passes(run, self.prompts[task], self.spec.repeats, warmup)
-    tokens = sum(int(np.asarray(o.num_generated).sum()) for o in outputs)
-    return 1000 * seconds / max(tokens, 1), outputs
+    return seconds, sum(int(np.asarray(o.num_generated).sum()) for o in outputs), outputs
 
   def measure_point(self, point: dict) -> dict:
     task, name, gamma = point["task"], point["drafter"], point["gamma"]
     temperature, lenience = point["temperature"], point["lenience"]
-    base_ms, base_out = self.baseline(task, temperature)
-    spec_ms, spec_out = self.speculative(task, name, gamma, temperature, lenience)
+    base_s, base_tokens, base_out = self.baseline(task, temperature)
+    spec_s, spec_tokens, spec_out = self.speculative(task, name, gamma, temperature, lenience)
+    prompts = len(self.prompts[task])
+    # Decode time: the first token of every prompt comes from the prefill, which is timed apart.
+    base_decode = (base_s - prompts * self.prefill_seconds(task, None)) / max(
+        base_tokens - prompts, 1)
+    spec_decode = (spec_s - prompts * self.prefill_seconds(task, name)) / max(
+        spec_tokens - prompts, 1)
+    base_ms, spec_ms = 1000 * base_s / max(base_tokens, 1), 1000 * spec_s / max(spec_tokens, 1)
     summary = measure.summarize_outputs(spec_out)
     c = self.step_ms[name] / self.step_ms["target"]
     alpha = summary["alpha_estimate"]
+    verify_cost = self.verify_cost[gamma]
     match = None
     if temperature == 0.0 and lenience == 1.0:
       match = all(np.array_equal(np.asarray(b.tokens), np.asarray(s.tokens))
@@ -139,9 +182,15 @@ class _Bench:
         "per_position_acceptance": summary["per_position_acceptance"],
         "acceptance_histogram": summary["acceptance_histogram"],
         "baseline_ms_per_token": base_ms, "speculative_ms_per_token": spec_ms,
-        "speedup": base_ms / spec_ms, "target_step_ms": self.step_ms["target"],
+        "speedup": base_ms / spec_ms, "baseline_decode_ms_per_token": 1000 * base_decode,
+        "speculative_decode_ms_per_token": 1000 * spec_decode,
+        "decode_speedup": base_decode / spec_decode, "target_step_ms": self.step_ms["target"],
         "draft_step_ms": self.step_ms[name], "c": c,
         "predicted_speedup": float(theory.walltime_improvement(alpha, gamma, c)),
+        "verify_cost": verify_cost,
+        "predicted_speedup_with_verify_cost": float(
+            theory.speedup_with_verify_cost(alpha, gamma, c, verify_cost)),
+        "verify_costs": {str(g): v for g, v in self.verify_cost.items()},
         "outputs_match_baseline": match, "prompts": len(self.prompts[task]),
         "new_tokens": summary["tokens"], "ms_per_128_tokens": 128 * spec_ms,
     }

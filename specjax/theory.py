@@ -68,3 +68,11 @@ def best_gamma(alpha_, c, max_gamma: int = 16):
   gains = walltime_improvement(alpha_, gammas, c)
   index = int(np.argmax(gains))
   return int(gammas[index]), float(gains[index])
+
+
+def speedup_with_verify_cost(alpha_, gamma, c, verify_cost):
+  """Thm 3.8 with the target's cost of scoring gamma + 1 tokens, `verify_cost` target steps, in place
+  of Leviathan's 1: expected_tokens / (gamma c + verify_cost). On hardware where a step is bound by
+  reading the weights verify_cost ~ 1 (Thm 3.8); on a CPU running a GEMM for T > 1 it is 1.3-1.8."""
+  return expected_tokens(alpha_, gamma) / (np.asarray(gamma, np.float64) * np.asarray(c, np.float64)
+                                           + np.asarray(verify_cost, np.float64))

@@ -82,9 +82,9 @@ def body_row(table, **match):
 def test_leviathan_table2_values_and_paper_column(results):
   t = tables.leviathan_table2(results)
   r = body_row(t, task="ende", draft="model:draft-wide", temp="greedy", gamma=7)
-  assert r["alpha"] == 0.7 and r["speedup"] == 2.1
+  assert r["alpha"] == 0.7 and r["speedup end to end"] == 2.1
   assert r["expected (Thm 3.8)"] == pytest.approx(thm38(0.7, 7, 0.05))
-  assert r["measured / expected"] == pytest.approx(2.1 / thm38(0.7, 7, 0.05))
+  assert r["v"] is None and r["decode / expected with v"] is None  # rows without them
   assert r["greedy output == baseline"] is True
   assert "EnDe T5-small: alpha 0.75, expected 3.2x, measured 3.4x" in r[tables.PAPER_LABEL]
   # the paper ran gamma 7 on EnDe greedy, never gamma 1
@@ -92,14 +92,23 @@ def test_leviathan_table2_values_and_paper_column(results):
   assert body_row(t, draft="bigram", temp="greedy")["expected (Thm 3.8)"] == 1.25  # engine's own
   md = t.markdown()
   assert "Leviathan et al. 2022, Table 2" in md and tables.PAPER_LABEL in md
-  assert "| ende | smollm2-135m | model:draft-wide | greedy | 7 | 0.70 | 0.050 | " in md
+  assert "| ende | smollm2-135m | model:draft-wide | greedy | 7 | 0.70 | 0.050 | — | " in md
   assert "| 2.10x |" in md
+
+
+def test_leviathan_table2_decode_speedup_against_thm38_with_verify_cost():
+  r = row("humaneval", "model:d", 0.0, 4, 0.7, 1.6, c=0.04, decode_speedup=1.9, verify_cost=1.4,
+          predicted_speedup_with_verify_cost=2.0)
+  got = body_row(tables.leviathan_table2([r]), gamma=4)
+  assert got["v"] == 1.4 and got["expected with v"] == 2.0 and got["decode speedup"] == 1.9
+  assert got["decode / expected with v"] == pytest.approx(0.95)
 
 
 def test_best_gamma(results):
   t = tables.best_gamma_table(results)
   r = body_row(t, task="ende", draft="model:draft-wide", temp="greedy")
-  assert r["best gamma"] == 5 and r["speedup"] == 2.4 and r["gammas tried"] == "1 3 5 7"
+  assert r["best gamma"] == 5 and r["speedup end to end"] == 2.4 and r["gammas tried"] == "1 3 5 7"
+  assert r["decode speedup"] is None and r["gamma picked with v"] is None  # rows without them
   # Thm 3.8 for alpha 0.7, c 0.05: gammas 5 and 6 tie at 2.353x, the smaller is reported
   assert thm38(0.7, 5, 0.05) == pytest.approx(thm38(0.7, 6, 0.05), rel=1e-4)
   assert r["Thm 3.8 gamma"] == 5 and r["Thm 3.8 speedup"] == pytest.approx(thm38(0.7, 5, 0.05))
@@ -108,7 +117,20 @@ def test_best_gamma(results):
   bigram = body_row(t, draft="bigram", temp="greedy")
   assert bigram["Thm 3.8 gamma"] == 3 and bigram[tables.PAPER_LABEL] is None
   assert "EnDe T5-small: gamma 7, 3.4x" in r[tables.PAPER_LABEL]
-  assert "| 5 | 2.40x |" in t.markdown()
+  assert "| 5 | — | 2.40x |" in t.markdown()
+
+
+def test_best_gamma_by_decode_speedup_and_the_gamma_picked_with_verify_costs():
+  """Best gamma follows the decode speedup when rows have it; the picked gamma maximises
+  expected_tokens / (gamma c + v_gamma) over the measured v (written out here independently)."""
+  costs = {"1": 1.3, "2": 1.35, "4": 1.4, "6": 1.7}
+  rows = [row("humaneval", "model:d", 0.0, g, 0.7, e2e, c=0.04, decode_speedup=dec, verify_costs=costs)
+          for g, e2e, dec in [(1, 1.2, 1.3), (2, 1.5, 1.6), (4, 1.6, 1.9), (6, 1.7, 1.8)]]
+  r = body_row(tables.best_gamma_table(rows), task="humaneval")
+  assert r["best gamma"] == 4 and r["decode speedup"] == 1.9 and r["speedup end to end"] == 1.6
+  gains = {int(g): (1 - 0.7 ** (int(g) + 1)) / (0.3 * (int(g) * 0.04 + v)) for g, v in costs.items()}
+  assert max(gains, key=gains.get) == 4 == r["gamma picked with v"]
+  assert r["predicted with v"] == pytest.approx(gains[4]) and r["measured at picked gamma"] == 1.9
 
 
 def test_leviathan_table3_alpha_per_draft(results):
@@ -161,8 +183,8 @@ def test_write_all_and_cli(results, tmp_path):
     assert mirrored in md
   assert md.count(tables.PAPER_LABEL) >= 6
   csv_lines = (tmp_path / "a" / "best_gamma.csv").read_text().splitlines()
-  assert csv_lines[0].startswith("task,target,draft,temp,best gamma,speedup")
-  assert any(line.startswith("ende,smollm2-135m,model:draft-wide,greedy,5,2.4,") for line in csv_lines)
+  assert csv_lines[0].startswith("task,target,draft,temp,best gamma,decode speedup,speedup end to end")
+  assert any(line.startswith("ende,smollm2-135m,model:draft-wide,greedy,5,,2.4,") for line in csv_lines)
 
   src = tmp_path / "results.jsonl"
   src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
