@@ -201,15 +201,19 @@ def _predicted_with_v(row: dict) -> float | None:
 
 
 def _verify_gamma(rows: list[dict], alpha: float | None, c: float | None) -> tuple[int | None, float | None]:
-  """The gamma maximising Thm 3.8 with the measured verification costs (rows' `verify_costs`, the
-  gammas the sweep measured), and that predicted speedup."""
+  """The gamma, among those the rows tried, maximising Thm 3.8 with the measured verification costs
+  (rows' `verify_costs`), and that predicted speedup."""
   costs = next((r["verify_costs"] for r in rows if r.get("verify_costs")), None)
   if not costs or alpha is None or c is None:
     return None, None
   if _walltime_improvement is None:  # pragma: no cover
     return None, None
   from specjax.theory import speedup_with_verify_cost  # pylint: disable=import-outside-toplevel
-  gains = {int(g): float(speedup_with_verify_cost(alpha, int(g), c, v)) for g, v in costs.items()}
+  tried = {gamma_of(r) for r in rows}  # pick among the gammas measured, so the pick can be checked
+  gains = {int(g): float(speedup_with_verify_cost(alpha, int(g), c, v)) for g, v in costs.items()
+           if int(g) in tried}
+  if not gains:
+    return None, None
   best = max(gains, key=lambda g: (gains[g], -g))
   return best, gains[best]
 
