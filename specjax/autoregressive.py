@@ -32,6 +32,11 @@ class GenerateOutput:
   tokens: jax.Array         # [B, max_new_tokens] int32, pad_id past each row's end
   num_generated: jax.Array  # [B] int32, EOS included
   target_calls: jax.Array   # [] int32: step calls after prefill (loop iterations)
+  # With DecodeShape.record_top_k = k (teacher data for distillation), the model's top-k log-probs
+  # (temperature 1) as (log-probs, ids): at every prompt position [B, P, k], and after every new token
+  # [B, max_new_tokens, k] (entry i: the distribution of the token after new token i). None otherwise.
+  prompt_top_k: tuple | None = None
+  new_top_k: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +47,7 @@ class DecodeShape:
   eos_id: int | None = None
   pad_id: int = 0
   max_cache_length: int | None = None  # refuse prompts that would not fit (None: size to the prompt)
+  record_top_k: int = 0  # > 0: also return the model's top-k log-probs everywhere (GenerateOutput)
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -80,6 +86,11 @@ def generate(step: StepFn, init_cache: Callable[[int, int], object], shape: Deco
   positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
   logits, cache = step(params, prompt_tokens, positions, cache)
   cache = cache.replace(lengths=prompt_lengths.astype(jnp.int32))
+  k = shape.record_top_k
+  # Recorded distributions ride in the loop carry only when asked for; the baseline carries nothing.
+  records = (jnp.zeros((batch, max_new, k), jnp.float32),
+             jnp.zeros((batch, max_new, k), jnp.int32)) if k else ()
+  prompt_top_k = _top_k_logp(logits, k) if k else None
   probs_fn = functools.partial(sampling.probs_from_logits, temperature=temperature,
                                top_k=shape.top_k, top_p=top_p)
   rng, first_rng = jax.random.split(rng)
@@ -89,24 +100,39 @@ def generate(step: StepFn, init_cache: Callable[[int, int], object], shape: Deco
   num = jnp.ones((batch,), jnp.int32)
 
   def cond(state):
-    i, _, _, done, _, _ = state
+    i, _, _, done, _, _, _ = state
     return (i < max_new) & ~jnp.all(done)
 
   def body(state):
-    i, out, num, done, cache, rng = state
+    i, out, num, done, cache, rng, records = state
     rng, draw_rng = jax.random.split(rng)
     last = out[:, i - 1]
     pos = (prompt_lengths + i - 1).astype(jnp.int32)[:, None]
     logits, cache = step(params, last[:, None], pos, cache)
+    if k:
+      records = tuple(r.at[:, i - 1].set(x) for r, x in zip(records, _top_k_logp(logits[:, 0], k)))
     token = sampling.sample(draw_rng, probs_fn(logits[:, 0]))
     token = jnp.where(done, shape.pad_id, token)
     out = out.at[:, i].set(token)
     num = num + (~done).astype(jnp.int32)
     done = done | is_eos(token, shape.eos_id) | (i + 1 >= max_new)
-    return i + 1, out, num, done, cache, rng
+    return i + 1, out, num, done, cache, rng, records
 
-  i, out, num, _, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), out, num, done, cache, rng))
-  return GenerateOutput(out, num, i - 1)
+  i, out, num, _, cache, _, records = jax.lax.while_loop(
+      cond, body, (jnp.int32(1), out, num, done, cache, rng, records))
+  if not k:
+    return GenerateOutput(out, num, i - 1)
+  # One more step for the distribution after each row's last token (its final position's teacher).
+  last = jnp.take_along_axis(out, (num - 1)[:, None], axis=1)
+  final, _ = step(params, last, (prompt_lengths + num - 1).astype(jnp.int32)[:, None], cache)
+  rows = jnp.arange(batch)
+  records = tuple(r.at[rows, num - 1].set(x) for r, x in zip(records, _top_k_logp(final[:, 0], k)))
+  return GenerateOutput(out, num, i - 1, prompt_top_k=prompt_top_k, new_top_k=records)
+
+
+def _top_k_logp(logits, k):
+  """(log-probs, ids) of the k most likely tokens at temperature 1."""
+  return jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), k)
 
 
 def is_eos(token: jax.Array, eos_id: int | None) -> jax.Array:

@@ -7,9 +7,10 @@ Stages, each kept in `output_dir` so that nothing computed is lost:
 1. Teacher data (teacher-<hash>.npz, one file per prompt set, reused by any rerun with the same target
    and data spec). For every TRAIN-split prompt of the chosen sets (the held-out split that the
    experiments measure is never seen), the target's greedy continuation and `samples` continuations
-   sampled at temperature 1, decoded in batches by one jitted while_loop that also records the target's
-   top-`teacher_top_k` log-probabilities (temperature 1) at every prompt and generated position. The
-   target runs once per sequence; its distributions are never recomputed.
+   sampled at temperature 1, decoded in batches by the baseline's jitted while_loop, which also records
+   the target's top-`teacher_top_k` log-probabilities (temperature 1) at every prompt and generated
+   position (DecodeShape.record_top_k). The target runs once per sequence; its distributions are
+   never recomputed.
 2. The head's tokens: the `head_size` target tokens with the most teacher probability mass in the
    training sequences. The draft scores only those; every other token gets draft probability 0, which
    keeps speculative sampling exact (the residual covers them) and cuts the 49,152-token head that
@@ -47,8 +48,8 @@ import optax
 from absl import logging
 from tqdm import tqdm
 
-from specjax import data, sampling
-from specjax.models import decoder_only, kv_cache
+from specjax import autoregressive, data
+from specjax.models import decoder_only
 
 PROMPT_SETS = ("humaneval", "news", "ende")
 
@@ -173,63 +174,6 @@ def stable_hash(text: str) -> int:
   return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-def teacher_decode(step, init_cache, params, prompt_tokens, prompt_lengths, rng, temperature, *,
-                   max_new_tokens: int, top_k: int, eos_id, pad_id):
-  """Batched decoding that also returns the target's top-k log-probs (temperature 1) everywhere.
-
-  -> (prompt_ids/logp [B, P, k], new tokens [B, N], num_generated [B], new_ids/logp [B, N, k]); the
-  distributions at generated position i are those the target had when it chose token i + 1 (row i of
-  the new-token arrays describes the token after new token i). Jit with static keywords.
-  """
-  batch, prompt_len = prompt_tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-  logits, cache = step(params, prompt_tokens, positions, init_cache(batch, prompt_len +
-                                                                     max_new_tokens + 1))
-  cache = kv_cache.set_lengths(cache, prompt_lengths)
-  prompt_logp, prompt_ids = jax.lax.top_k(jax.nn.log_softmax(logits), top_k)
-  last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-
-  def draw(rng, logits):
-    return sampling.sample(rng, sampling.probs_from_logits(logits, temperature))
-
-  rng, first_rng = jax.random.split(rng)
-  first = draw(first_rng, last)
-  out = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
-  new_logp = jnp.zeros((batch, max_new_tokens, top_k), jnp.float32)
-  new_ids = jnp.zeros((batch, max_new_tokens, top_k), jnp.int32)
-  done = (first == eos_id) if eos_id is not None else jnp.zeros((batch,), bool)
-  num = jnp.ones((batch,), jnp.int32)
-
-  def cond(state):
-    return (state[0] < max_new_tokens) & ~jnp.all(state[3])
-
-  def body(state):
-    i, out, num, done, cache, rng, new_logp, new_ids = state
-    rng, draw_rng = jax.random.split(rng)
-    pos = (prompt_lengths + i - 1).astype(jnp.int32)[:, None]
-    logits, cache = step(params, out[:, i - 1][:, None], pos, cache)
-    logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits[:, 0]), top_k)
-    new_logp, new_ids = new_logp.at[:, i - 1].set(logp), new_ids.at[:, i - 1].set(ids)
-    token = jnp.where(done, pad_id, draw(draw_rng, logits[:, 0]))
-    out = out.at[:, i].set(token)
-    num = num + (~done).astype(jnp.int32)
-    if eos_id is not None:
-      done = done | (token == eos_id)
-    return i + 1, out, num, done, cache, rng, new_logp, new_ids
-
-  state = (jnp.int32(1), out, num, done, cache, rng, new_logp, new_ids)
-  _, out, num, _, cache, _, new_logp, new_ids = jax.lax.while_loop(cond, body, state)
-  # The distribution after the last generated token (a full-length row's final position).
-  pos = (prompt_lengths + num - 1).astype(jnp.int32)[:, None]
-  last_token = jnp.take_along_axis(out, (num - 1)[:, None], axis=1)
-  logits, _ = step(params, last_token, pos, cache)
-  logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits[:, 0]), top_k)
-  rows = jnp.arange(batch)
-  new_logp = new_logp.at[rows, num - 1].set(logp)
-  new_ids = new_ids.at[rows, num - 1].set(ids)
-  return prompt_ids, prompt_logp, out, num, new_ids, new_logp
-
-
 def teacher_sequences(target_config, target_params, tokenizer, task: str, spec: TeacherSpec,
                       seed: int) -> Sequences:
   """The target's continuations of one prompt set's train split, with its top-k everywhere."""
@@ -262,9 +206,8 @@ def distil_targets(step, init_cache, params, encoded, names, *, max_new_tokens: 
                      f"{empty[0]!r}); the target needs at least one token to continue: drop those "
                      "prompts or give them text")
   order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths batch together
-  decode = jax.jit(functools.partial(teacher_decode, step, init_cache,
-                                     max_new_tokens=max_new_tokens, top_k=top_k, eos_id=eos_id,
-                                     pad_id=pad_id))
+  decode = autoregressive.make_generate(step, init_cache, autoregressive.DecodeShape(
+      max_new_tokens, eos_id=eos_id, pad_id=pad_id, record_top_k=top_k))
   runs = [(0.0, 0)] + [(1.0, s + 1) for s in range(samples)]
   batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
   parts = []
@@ -273,7 +216,8 @@ def distil_targets(step, init_cache, params, encoded, names, *, max_new_tokens: 
       for b, batch in enumerate(batches):
         tokens, lengths = data.make_batch([encoded[i] for i in batch], pad_id, bucket=32)
         rng = jax.random.fold_in(jax.random.PRNGKey(seed), 1000 * sample + b)
-        out = jax.device_get(decode(params, tokens, lengths, rng, jnp.float32(temperature)))
+        out = jax.device_get(decode(params, tokens, lengths, rng, jnp.float32(temperature),
+                                    jnp.float32(1.0)))
         parts.append(_rows_to_sequences(out, tokens, lengths, [names[i] for i in batch],
                                         score_prompt=sample == 0))
         bar.update()
@@ -281,10 +225,10 @@ def distil_targets(step, init_cache, params, encoded, names, *, max_new_tokens: 
 
 
 def _rows_to_sequences(out, prompt_tokens, lengths, prompts, score_prompt: bool) -> Sequences:
-  prompt_ids, prompt_logp, new, num, new_ids, new_logp = out
+  (prompt_logp, prompt_ids), (new_logp, new_ids) = out.prompt_top_k, out.new_top_k
   tokens, ids, logp, sizes, loss_from = [], [], [], [], []
-  for row, (length, count) in enumerate(zip(lengths, num)):
-    tokens.append(np.concatenate([prompt_tokens[row, :length], new[row, :count]]))
+  for row, (length, count) in enumerate(zip(lengths, out.num_generated)):
+    tokens.append(np.concatenate([prompt_tokens[row, :length], out.tokens[row, :count]]))
     ids.append(np.concatenate([prompt_ids[row, :length], new_ids[row, :count]]))
     logp.append(np.concatenate([prompt_logp[row, :length], new_logp[row, :count]]))
     sizes.append(length + count)
