@@ -114,7 +114,7 @@ def write(args, names, fits, speed, seconds):
   for name, drafter in variants:
     fit = fits[name.removeprefix("lookup+")]
     after = fit["validation_after"]
-    steps = fit.get("train_steps", SHAPES[name.removeprefix("lookup+")][1])
+    steps = SHAPES[name.removeprefix("lookup+")][1]
     for temperature in (0.0, 1.0):
       best = _best(speed["rows"], drafter, temperature)
       if best is None:

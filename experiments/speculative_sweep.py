@@ -80,34 +80,32 @@ class _Bench:
     self.verify_cost = self._verify_costs()
     self._prefill_s = {}
 
-  def _step_costs(self) -> dict:
-    """Median single-step times (batch 1, T = 1) of the target and every drafter, for c."""
+  def _timed_step_ms(self, step_fn, drafter, params, width, repeats):
+    """ms of one jitted step on `width` tokens after the first task's first prompt, batch 1."""
     prompt = next(iter(self.prompts.values()))[0]
     length = prompt[0].shape[1] + self.max_new + max(self.spec.gammas) + 2
-    target = measure.model_drafter(self.config)  # only for its prefilled cache
-    costs = {"target": 1000 * measure.step_seconds(
-        measure.target_step_fn(self.target_step), self.params,
-        measure.fresh_state(target, self.params, prompt, length), *measure.one_token(prompt), 15)}
+    return 1000 * measure.step_seconds(step_fn, params,
+                                       measure.fresh_state(drafter, params, prompt, length),
+                                       *measure.one_token(prompt, width), repeats)
+
+  def _step_costs(self) -> dict:
+    """Median single-step times (batch 1, T = 1) of the target and every drafter, for c."""
+    self._target_fn = measure.target_step_fn(self.target_step)
+    self._target_cache = measure.model_drafter(self.config)  # only for its prefilled cache
+    costs = {"target": self._timed_step_ms(self._target_fn, self._target_cache, self.params, 1, 15)}
     for name, (drafter, draft_params) in self.drafters.items():
-      costs[name] = 1000 * measure.step_seconds(
-          measure.draft_step(drafter), draft_params,
-          measure.fresh_state(drafter, draft_params, prompt, length), *measure.one_token(prompt), 15)
+      costs[name] = self._timed_step_ms(measure.draft_step(drafter), drafter, draft_params, 1, 15)
     logging.info("step ms: %s", {k: round(v, 2) for k, v in costs.items()})
     return costs
 
   def _verify_costs(self) -> dict:
     """gamma -> the target scoring gamma + 1 tokens in target steps of one token (v_gamma)."""
-    prompt = next(iter(self.prompts.values()))[0]
-    length = prompt[0].shape[1] + self.max_new + max(self.spec.gammas) + 2
-    target = measure.model_drafter(self.config)
-    fn = measure.target_step_fn(self.target_step)
     costs = {}
     lossy = any(l != 1.0 for l in self.spec.leniences)
     for gamma in sorted(set(self.spec.gammas) | (set(self.spec.lenience_gammas) if lossy else set())):
       # Median of 3 medians: one median of 9 steps moved v by 0.2 between neighbouring gammas here.
-      ms = 1000 * statistics.median(measure.step_seconds(
-          fn, self.params, measure.fresh_state(target, self.params, prompt, length),
-          *measure.one_token(prompt, gamma + 1), 9) for _ in range(3))
+      ms = statistics.median(self._timed_step_ms(self._target_fn, self._target_cache, self.params,
+                                                 gamma + 1, 9) for _ in range(3))
       costs[gamma] = ms / self.step_ms["target"]
     logging.info("verification cost v_gamma (target steps): %s",
                  {k: round(v, 2) for k, v in costs.items()})

@@ -121,13 +121,12 @@ def make_step(config: DecoderConfig):
   params[HEAD_TOKENS] and every other token gets -inf, i.e. probability 0 after any transform. The
   speculative accept rule stays lossless, since the residual max(p - q, 0) covers those tokens.
   """
-  model = DecoderOnly(config)
+  head_step = head_logits_step(config)
   if not config.head_size:
-    return lambda params, tokens, positions, cache: model.apply({"params": params}, tokens,
-                                                                positions, cache)
+    return head_step
 
   def step(params, tokens, positions, cache):
-    head_logits, cache = model.apply({"params": model_params(params)}, tokens, positions, cache)
+    head_logits, cache = head_step(params, tokens, positions, cache)
     full = jnp.full(head_logits.shape[:-1] + (config.vocab_size,), -jnp.inf, head_logits.dtype)
     return full.at[..., params[HEAD_TOKENS]].set(head_logits, mode="promise_in_bounds"), cache
 
