@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import pathlib
+
+
+def cache_dir() -> pathlib.Path:
+  """Where specjax keeps what it derives once and reuses (dequantized weights, teacher data):
+  $SPECJAX_CACHE, default ~/.cache/specjax."""
+  return pathlib.Path(os.environ.get("SPECJAX_CACHE", pathlib.Path.home() / ".cache" / "specjax"))
 
 
 class MissingAssetError(FileNotFoundError):

@@ -10,21 +10,20 @@ Conventions shared with `speculative.py`:
   * Output: tokens[B, max_new_tokens] with `pad_id` after each row's end, and num_generated[B]. A row
     ends after emitting `eos_id` (the EOS is kept and counted) or after max_new_tokens tokens.
   * The first new token comes from the prefill logits at each row's last prompt position.
+  * The model is any `contracts.Model`. An encoder-decoder model gets its encoder input as `source`
+    (encoded once) and its decoder start token as the prompt.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax import sampling
-
-StepFn = Callable  # (params, tokens[B, T], positions[B, T], cache) -> (logits[B, T, V], cache)
+from specjax import contracts, sampling
 
 
 @flax.struct.dataclass
@@ -50,9 +49,14 @@ class DecodeShape:
   record_top_k: int = 0  # > 0: also return the model's top-k log-probs everywhere (GenerateOutput)
 
   def __post_init__(self):
-    if self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-    sampling.validate_sampling(0.0, self.top_k, 1.0)
+    validate_decode(self.max_new_tokens, self.top_k)
+
+
+def validate_decode(max_new_tokens: int, top_k: int = 0) -> None:
+  """The static settings every decode shares (this one and speculative.SpecConfig)."""
+  if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens}")
+  sampling.validate_sampling(0.0, top_k, 1.0)
 
 
 def last_prompt_logits(logits: jax.Array, prompt_lengths: jax.Array) -> jax.Array:
@@ -67,25 +71,35 @@ def check_prompt_fits(prompt_length: int, cache_length: int, needed_after: int) 
         f"{cache_length} slots; shorten the prompt, lower max_new_tokens, or raise max_cache_length")
 
 
-def generate(step: StepFn, init_cache: Callable[[int, int], object], shape: DecodeShape, params,
-             prompt_tokens: jax.Array, prompt_lengths: jax.Array, rng: jax.Array,
-             temperature=0.0, top_p=1.0) -> GenerateOutput:
+def prefill(session: contracts.Session, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+            max_length: int) -> tuple[jax.Array, contracts.Cache]:
+  """Score the right-padded prompt[B, P] into a fresh cache of max_length slots.
+
+  Returns (logits[B, P, V], cache rolled back to each row's prompt length: the padding written after a
+  shorter prompt is stale and the first new token overwrites it)."""
+  batch, prompt_len = prompt_tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+  logits, cache = session.step(prompt_tokens, positions, session.init_cache(batch, max_length))
+  return logits, contracts.set_lengths(cache, prompt_lengths)
+
+
+def generate(model: contracts.Model, shape: DecodeShape, params, prompt_tokens: jax.Array,
+             prompt_lengths: jax.Array, rng: jax.Array, temperature=0.0, top_p=1.0,
+             source: contracts.Source | None = None) -> GenerateOutput:
   """Decode up to shape.max_new_tokens tokens for every row. Jit with `make_generate`.
 
   Args:
-    step: the model's step function (DESIGN.md contract 1).
-    init_cache: (batch, max_length) -> an empty cache for `step`.
+    model: a contracts.Model (decoder-only or encoder-decoder).
     prompt_tokens: [B, P] int32, right-padded. prompt_lengths: [B] int32, each >= 1.
     temperature, top_p: traced scalars (0 = greedy), so a sweep over them compiles once.
+    source: the encoder input of an encoder-decoder model (None for decoder-only).
   """
   batch, prompt_len = prompt_tokens.shape
   max_new = shape.max_new_tokens
   if shape.max_cache_length is not None:
     check_prompt_fits(prompt_len, shape.max_cache_length, max_new + 1)
-  cache = init_cache(batch, prompt_len + max_new + 1)
-  positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-  logits, cache = step(params, prompt_tokens, positions, cache)
-  cache = cache.replace(lengths=prompt_lengths.astype(jnp.int32))
+  session = contracts.open_session(model, params, source)
+  logits, cache = prefill(session, prompt_tokens, prompt_lengths, prompt_len + max_new + 1)
   k = shape.record_top_k
   # Recorded distributions ride in the loop carry only when asked for; the baseline carries nothing.
   records = (jnp.zeros((batch, max_new, k), jnp.float32),
@@ -108,7 +122,7 @@ def generate(step: StepFn, init_cache: Callable[[int, int], object], shape: Deco
     rng, draw_rng = jax.random.split(rng)
     last = out[:, i - 1]
     pos = (prompt_lengths + i - 1).astype(jnp.int32)[:, None]
-    logits, cache = step(params, last[:, None], pos, cache)
+    logits, cache = session.step(last[:, None], pos, cache)
     if k:
       records = tuple(r.at[:, i - 1].set(x) for r, x in zip(records, _top_k_logp(logits[:, 0], k)))
     token = sampling.sample(draw_rng, probs_fn(logits[:, 0]))
@@ -124,7 +138,7 @@ def generate(step: StepFn, init_cache: Callable[[int, int], object], shape: Deco
     return GenerateOutput(out, num, i - 1)
   # One more step for the distribution after each row's last token (its final position's teacher).
   last = jnp.take_along_axis(out, (num - 1)[:, None], axis=1)
-  final, _ = step(params, last, (prompt_lengths + num - 1).astype(jnp.int32)[:, None], cache)
+  final, _ = session.step(last, (prompt_lengths + num - 1).astype(jnp.int32)[:, None], cache)
   rows = jnp.arange(batch)
   records = tuple(r.at[rows, num - 1].set(x) for r, x in zip(records, _top_k_logp(final[:, 0], k)))
   return GenerateOutput(out, num, i - 1, prompt_top_k=prompt_top_k, new_top_k=records)
@@ -142,9 +156,7 @@ def is_eos(token: jax.Array, eos_id: int | None) -> jax.Array:
   return token == eos_id
 
 
-def make_generate(step: StepFn, init_cache: Callable[[int, int], object], shape: DecodeShape,
-                  **jit_kwargs):
-  """jit(generate) for one (step, shape): call as fn(params, prompt_tokens, prompt_lengths, rng,
-  temperature, top_p). Extra kwargs (in_shardings, ...) go to jax.jit."""
-  fn = functools.partial(generate, step, init_cache, shape)
-  return jax.jit(fn, **jit_kwargs)
+def make_generate(model: contracts.Model, shape: DecodeShape, **jit_kwargs):
+  """jit(generate) for one (model, shape): call as fn(params, prompt_tokens, prompt_lengths, rng,
+  temperature, top_p, source=None). Extra kwargs (in_shardings, ...) go to jax.jit."""
+  return jax.jit(functools.partial(generate, model, shape), **jit_kwargs)

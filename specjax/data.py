@@ -21,6 +21,10 @@ and so the acceptance rate:
 Instructions: news "Summarize the following news article.\\n\\n<article>"; ende
 "Translate to German: <English>".
 
+Any other name ending in `.jsonl` is a file of prompts, one JSON object per line with "id" and "text"
+(and optionally "reference"); its texts are used verbatim in every style (they are sources for an
+encoder-decoder model, prompts for a decoder-only one).
+
 Splits are deterministic and independent of the style and of the package's file order: an item is held
 out when a stable hash of its source text (the HumanEval prompt, the article, the English message),
 the first 8 bytes of its SHA-256 modulo 100, is below HELDOUT_PERCENT (20): 34 of 164 HumanEval problems,
@@ -34,6 +38,7 @@ import functools
 import gzip
 import hashlib
 import json
+import pathlib
 from typing import Sequence
 
 import numpy as np
@@ -203,8 +208,33 @@ def _instruction_prompt(name: str, text: str, style: str) -> str:
   return render_chatml([{"role": "user", "content": instruction}], add_generation_prompt=True)
 
 
+def _jsonl_items(path: str) -> list[tuple[str, str, str | None]]:
+  """(id, text, reference) of every line of a prompts JSONL file, in file order."""
+  file = pathlib.Path(path).expanduser()
+  if not file.is_file():
+    raise FileNotFoundError(f"no prompts file {file}: a prompt set ending in .jsonl is a file with one "
+                            '{"id": ..., "text": ...} object per line')
+  items, seen = [], set()
+  for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+      key, text = str(row["id"]), row["text"]
+    except (ValueError, KeyError, TypeError) as error:
+      raise ValueError(f"{file}, line {number}: expected a JSON object with \"id\" and \"text\" "
+                       f"({error})") from None
+    if key in seen:
+      raise ValueError(f"{file}, line {number}: id {key!r} appears twice; ids name results")
+    seen.add(key)
+    items.append((key, text, row.get("reference")))
+  return items
+
+
 def _items(name: str) -> list[tuple[str, str, str | None]]:
   """(key, source text, reference) of every item of a set, in the set's fixed order."""
+  if name.endswith(".jsonl"):
+    return _jsonl_items(name)
   if name == "humaneval":
     return [(p["task_id"], p["prompt"], p["canonical_solution"]) for p in humaneval_problems()]
   if name == "news":
@@ -216,7 +246,8 @@ def _items(name: str) -> list[tuple[str, str, str | None]]:
 
 def load_prompt_set(name: str, split: str = "all", limit: int | None = None,
                     style: str = "chat") -> PromptSet:
-  """The prompt set `name` ('humaneval' | 'news' | 'ende'), restricted to a split.
+  """The prompt set `name` ('humaneval' | 'news' | 'ende' | a prompts .jsonl file), restricted to a
+  split.
 
   split: 'all', 'train' (not held out) or 'heldout' (see `is_heldout`).
   limit: keep the first `limit` prompts of the split (order is fixed: file order).
@@ -233,13 +264,14 @@ def load_prompt_set(name: str, split: str = "all", limit: int | None = None,
   if split != "all":
     items = [item for item in items if is_heldout(item[1]) == (split == "heldout")]
   items = items[:limit] if limit is not None else items
-  if name == "humaneval":
+  if name == "humaneval" or name.endswith(".jsonl"):
     prompts = [source for _, source, _ in items]
   else:
     prompts = [_instruction_prompt(name, source, style) for _, source, _ in items]
   return PromptSet(name=name, split=split, style=style, prompts=tuple(prompts),
                    references=tuple(ref for _, _, ref in items),
-                   keys=tuple(key for key, _, _ in items), description=DESCRIPTIONS[name])
+                   keys=tuple(key for key, _, _ in items),
+                   description=DESCRIPTIONS.get(name, f"prompts from {name}"))
 
 
 # ---- batching ---------------------------------------------------------------------------------------
@@ -275,3 +307,18 @@ def make_batch(token_lists: Sequence[Sequence[int]], pad_id: int, bucket: int = 
   for row, ids in enumerate(token_lists):
     tokens[row, :lengths[row]] = np.asarray(ids, dtype=np.int32)
   return tokens, lengths
+
+
+def train_sequences(tokenizer, encoder_decoder: bool = False, style: str = "chat",
+                    names: Sequence[str] = ("humaneval", "news", "ende")) -> list[list[int]]:
+  """Token ids of text like a model's output, from the train split of the named sets: prompt +
+  reference for a decoder-only model (what it reads and writes), the reference alone for an
+  encoder-decoder model (its decoder writes only the output). Table drafters are counted on these."""
+  sequences = []
+  for name in names:
+    split = load_prompt_set(name, "train", style=style)
+    for prompt, reference in zip(split.prompts, split.references):
+      text = (reference or "") if encoder_decoder else prompt + (reference or "")
+      if text:
+        sequences.append(tokenizer.encode(text))
+  return sequences

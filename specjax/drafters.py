@@ -1,10 +1,11 @@
-"""Drafters: what proposes the gamma tokens the target verifies.
+"""Drafters: what proposes the gamma tokens the target verifies (contracts.Drafter).
 
-A drafter is any object with three pure methods (speculative.py duck-types them; params are passed
-separately so tables and weights are jit arguments, not baked-in constants):
+A drafter is any object with three pure methods (params are passed separately, so tables and weights
+are jit arguments, not baked-in constants):
 
-  init(params, prompt_tokens[B, P], prompt_lengths[B], max_length) -> state
-      Prefill on the right-padded prompt. max_length = P + max_new_tokens + gamma + 1 slots.
+  init(params, prompt_tokens[B, P], prompt_lengths[B], max_length, source=None) -> state
+      Prefill on the right-padded prompt (a model draft of the encoder-decoder family also encodes
+      the source, once). max_length = P + max_new_tokens + gamma + 1 slots.
   propose(params, state, tokens[B, T], positions[B, T], transform) -> (draft_probs[B, V], state)
       tokens are each row's newest tokens at their positions (T = 2 for the first draft of an
       iteration, 1 after: see speculative.draft); returns the distribution of the token at
@@ -13,18 +14,19 @@ separately so tables and weights are jit arguments, not baked-in constants):
       from exactly this distribution, so draft_probs is the distribution the token was drawn from.
   rollback(state, lengths[B]) -> state
       Forget everything at positions >= lengths (set lengths; stale slots are overwritten later).
+A drafter that runs a model says which family it is (`encoder_decoder`); the others serve both.
 
 Drafters here:
-  ModelDrafter        any step-function model with its own cache (e.g. a small decoder_only model).
+  ModelDrafter        any contracts.Model with its own cache (a small decoder_only model, a T5 draft).
   UnigramDrafter      a [V] log-prob table; no state.
-  BigramDrafter       a [V, V] log-prob table indexed by the previous token; no state (the previous
-                      token arrives in `tokens`).
-  SparseBigramDrafter the bigram for large vocabularies (SmolLM2's 49,152 tokens: a dense table would
+  SparseBigramDrafter a bigram for large vocabularies (SmolLM2's 49,152 tokens: a dense table would
                       be 9.6 GB): each token's top-K continuations, backed off to a unigram.
-  PromptLookupDrafter matches the last n tokens against the prompt + generated history and proposes
-                      the token that followed the latest earlier match; keeps that history as state.
+  PromptLookupDrafter matches the last n tokens against the prompt (and an encoder-decoder's source)
+                      + generated history and proposes the token that followed the latest earlier
+                      match; keeps that history as state.
   LookupThenDrafter   prompt lookup where an n-gram of the context repeats, another drafter (e.g. a
                       trained model) elsewhere.
+`make_drafter(name, ...)` builds any of them by name (`lookup`, `bigram`, `model:<path>`, ...).
 Table log-probs are treated as logits and go through `transform`, so temperature sharpens or flattens
 them like the target's logits and top-k / top-p cut them the same way. Prompt lookup proposes a one-hot,
 which every transform leaves unchanged; with no match it falls back to its [V] table (uniform if None).
@@ -33,70 +35,78 @@ which every transform leaves unchanged; with no match it falls back to its [V] t
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable
+import pathlib
+from typing import Any, Iterable, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.speculative import replace_lengths
+from jax.sharding import Mesh
+
+from specjax import autoregressive, checkpoints, contracts, models, sharding
+from specjax.contracts import Source, Transform
+from specjax.models import decoder_only
+
+
+@flax.struct.dataclass
+class ModelDraftState:
+  context: Any  # the draft model's per-request context (its encoded source; None for decoder-only)
+  cache: Any
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter:
-  """A model behind the step-function contract: step(params, tokens, positions, cache) -> (logits,
-  cache), with init_cache(batch, max_length) and a cache carrying lengths[B] (set by `set_lengths`)."""
-  step: Callable
-  init_cache: Callable
-  set_lengths: Callable = replace_lengths
+  """A model draft (contracts.Model) with its own cache; for an encoder-decoder draft, its own
+  encoder too (the paper's T5-small draft encodes the source itself, once per request)."""
+  model: contracts.Model
 
-  def init(self, params, prompt_tokens, prompt_lengths, max_length):
-    batch, prompt_len = prompt_tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-    _, cache = self.step(params, prompt_tokens, positions, self.init_cache(batch, max_length))
-    return self.set_lengths(cache, prompt_lengths)
+  @property
+  def encoder_decoder(self) -> bool:
+    return self.model.encoder_decoder
 
-  def propose(self, params, state, tokens, positions, transform):
-    logits, state = self.step(params, tokens, positions, state)
-    return transform(logits[:, -1]), state
+  def init(self, params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, max_length: int,
+           source: Source | None = None) -> ModelDraftState:
+    contracts.check_source(self.model, source)
+    context = self.model.encode(params, source)
+    session = contracts.Session(lambda *args: self.model.decode_step(params, context, *args),
+                                self.model.init_cache)
+    _, cache = autoregressive.prefill(session, prompt_tokens, prompt_lengths, max_length)
+    return ModelDraftState(context, cache)
 
-  def rollback(self, state, lengths):
-    return self.set_lengths(state, lengths)
+  def propose(self, params, state: ModelDraftState, tokens: jax.Array, positions: jax.Array,
+              transform: Transform) -> tuple[jax.Array, ModelDraftState]:
+    logits, cache = self.model.decode_step(params, state.context, tokens, positions, state.cache)
+    return transform(logits[:, -1]), state.replace(cache=cache)
+
+  def rollback(self, state: ModelDraftState, lengths: jax.Array) -> ModelDraftState:
+    return state.replace(cache=contracts.set_lengths(state.cache, lengths))
 
 
 @dataclasses.dataclass(frozen=True)
 class UnigramDrafter:
   """Proposes from one fixed distribution; params: log-probs [V] (see `unigram_table`)."""
 
-  def init(self, params, prompt_tokens, prompt_lengths, max_length):
+  def init(self, params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, max_length: int,
+           source: Source | None = None) -> None:
     return None
 
-  def propose(self, params, state, tokens, positions, transform):
+  def propose(self, params: jax.Array, state: None, tokens: jax.Array, positions: jax.Array,
+              transform: Transform) -> tuple[jax.Array, None]:
     return transform(jnp.broadcast_to(params, (tokens.shape[0], params.shape[-1]))), state
 
-  def rollback(self, state, lengths):
-    return state
-
-
-@dataclasses.dataclass(frozen=True)
-class BigramDrafter:
-  """Proposes row params[previous token]; params: log-probs [V, V] (see `bigram_table`)."""
-
-  def init(self, params, prompt_tokens, prompt_lengths, max_length):
-    return None
-
-  def propose(self, params, state, tokens, positions, transform):
-    return transform(params[tokens[:, -1]]), state
-
-  def rollback(self, state, lengths):
+  def rollback(self, state: None, lengths: jax.Array) -> None:
     return state
 
 
 @flax.struct.dataclass
 class LookupState:
-  history: jax.Array  # [B, max_length] int32 token at each position; -1 where nothing was written
-  lengths: jax.Array  # [B] int32
+  """history[b, offset + p] is the token at decoder position p; history[b, :offset] holds the source
+  of an encoder-decoder decode (offset = its padded width; 0 without one). -1 where nothing is."""
+  history: jax.Array  # [B, offset + max_length] int32
+  lengths: jax.Array  # [B] int32 decoder positions recorded
+  offset: int = flax.struct.field(pytree_node=False, default=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +115,8 @@ class PromptLookupDrafter:
 
   For n = max_ngram down to min_ngram, find the LATEST earlier position whose n tokens equal the row's
   last n tokens and propose the token that followed it (latest, because recent text repeats most).
+  For an encoder-decoder decode the source comes first in the history, so names and numbers the
+  output copies from the source are found there (prompt lookup over the source).
   params: fallback log-probs [V] used where nothing matches, or None for uniform.
   """
   vocab_size: int
@@ -115,29 +127,40 @@ class PromptLookupDrafter:
     if not 1 <= self.min_ngram <= self.max_ngram:
       raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
 
-  def init(self, params, prompt_tokens, prompt_lengths, max_length):
+  def init(self, params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, max_length: int,
+           source: Source | None = None) -> LookupState:
     batch, prompt_len = prompt_tokens.shape
-    in_prompt = jnp.arange(prompt_len)[None, :] < prompt_lengths[:, None]
-    history = jnp.full((batch, max_length), -1, jnp.int32)
-    history = history.at[:, :prompt_len].set(jnp.where(in_prompt, prompt_tokens, -1))
-    return LookupState(history, prompt_lengths.astype(jnp.int32))
+    history = _valid_or_minus_one(prompt_tokens, prompt_lengths)
+    if source is not None:
+      history = jnp.concatenate([_valid_or_minus_one(source.tokens, source.lengths), history], axis=1)
+    offset = 0 if source is None else source.tokens.shape[1]
+    history = jnp.pad(history, ((0, 0), (0, max_length - prompt_len)), constant_values=-1)
+    return LookupState(history, prompt_lengths.astype(jnp.int32), offset)
 
-  def propose(self, params, state, tokens, positions, transform):
+  def propose(self, params, state: LookupState, tokens: jax.Array, positions: jax.Array,
+              transform: Transform) -> tuple[jax.Array, LookupState]:
     proposal, found, state = self.match(state, tokens, positions)
     logits = jnp.zeros((tokens.shape[0], self.vocab_size)) if params is None else jnp.broadcast_to(
         params, (tokens.shape[0], self.vocab_size))
     probs = jnp.where(found[:, None], jax.nn.one_hot(proposal, self.vocab_size), transform(logits))
     return probs, state
 
-  def match(self, state, tokens, positions):
+  def match(self, state: LookupState, tokens: jax.Array, positions: jax.Array):
     """Record the new tokens; -> (proposal[B], found[B], state) of the latest longest match."""
     rows = jnp.arange(tokens.shape[0])[:, None]
-    history = state.history.at[rows, positions].set(tokens.astype(jnp.int32))
-    proposal, found = lookup(history, positions[:, -1], self.max_ngram, self.min_ngram)
-    return proposal, found, LookupState(history, positions[:, -1] + 1)
+    history = state.history.at[rows, positions + state.offset].set(tokens.astype(jnp.int32))
+    proposal, found = lookup(history, positions[:, -1] + state.offset, self.max_ngram,
+                             self.min_ngram)
+    return proposal, found, state.replace(history=history, lengths=positions[:, -1] + 1)
 
-  def rollback(self, state, lengths):
+  def rollback(self, state: LookupState, lengths: jax.Array) -> LookupState:
     return state.replace(lengths=lengths.astype(jnp.int32))
+
+
+def _valid_or_minus_one(tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+  """tokens[B, P] with every slot at or past lengths[b] set to -1 (never matches a token)."""
+  valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+  return jnp.where(valid, tokens, -1).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,28 +173,36 @@ class LookupThenDrafter:
   the token is drawn from and the accept rule stays lossless. params: the inner drafter's.
   State: (inner state, lookup history); both advance and roll back together.
   """
-  inner: object
+  inner: contracts.Drafter
   lookup: PromptLookupDrafter
 
-  def init(self, params, prompt_tokens, prompt_lengths, max_length):
-    return (self.inner.init(params, prompt_tokens, prompt_lengths, max_length),
-            self.lookup.init(None, prompt_tokens, prompt_lengths, max_length))
+  @property
+  def encoder_decoder(self) -> bool | None:
+    return getattr(self.inner, "encoder_decoder", None)
 
-  def propose(self, params, state, tokens, positions, transform):
+  def init(self, params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, max_length: int,
+           source: Source | None = None):
+    return (self.inner.init(params, prompt_tokens, prompt_lengths, max_length, source),
+            self.lookup.init(None, prompt_tokens, prompt_lengths, max_length, source))
+
+  def propose(self, params, state, tokens: jax.Array, positions: jax.Array,
+              transform: Transform) -> tuple[jax.Array, Any]:
     inner_probs, inner_state = self.inner.propose(params, state[0], tokens, positions, transform)
     proposal, found, lookup_state = self.lookup.match(state[1], tokens, positions)
     probs = jnp.where(found[:, None], jax.nn.one_hot(proposal, inner_probs.shape[-1],
                                                      dtype=inner_probs.dtype), inner_probs)
     return probs, (inner_state, lookup_state)
 
-  def rollback(self, state, lengths):
+  def rollback(self, state, lengths: jax.Array):
     return self.inner.rollback(state[0], lengths), self.lookup.rollback(state[1], lengths)
 
 
-def lookup(history, pos, max_ngram: int, min_ngram: int = 1):
+def lookup(history: jax.Array, pos: jax.Array, max_ngram: int,
+           min_ngram: int = 1) -> tuple[jax.Array, jax.Array]:
   """The continuation of the latest earlier occurrence of each row's last n tokens, longest n first.
 
-  Args: history[B, S] int32 (tokens at positions 0..pos valid), pos[B] int32 the newest position.
+  Args: history[B, S] int32 (tokens at positions 0..pos; -1 marks an empty slot, which never
+    matches), pos[B] int32 the newest position.
   Returns: proposal[B] int32 (history[e + 1] for the latest match ending at e < pos), found[B] bool.
   """
   batch, length = history.shape
@@ -183,7 +214,7 @@ def lookup(history, pos, max_ngram: int, min_ngram: int = 1):
     for k in range(n):  # compare the token k before each candidate end with the token k before pos
       key = jnp.take_along_axis(history, jnp.maximum(pos - k, 0)[:, None], axis=1)
       shifted = jnp.pad(history, ((0, 0), (k, 0)), constant_values=-1)[:, :length]
-      match &= shifted == key
+      match &= (shifted == key) & (key >= 0)
     end = jnp.max(jnp.where(match, ends, -1), axis=1)
     follower = jnp.take_along_axis(history, jnp.clip(end + 1, 0, length - 1)[:, None], axis=1)[:, 0]
     proposal = jnp.where(~found & (end >= 0), follower, proposal)
@@ -192,7 +223,7 @@ def lookup(history, pos, max_ngram: int, min_ngram: int = 1):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Tables (Leviathan Table 3's unigram / bigram drafts), built on the host.
+# Tables (Leviathan Table 3's unigram / bigram drafts), built on the host from token-id sequences.
 
 
 def _log_normalize(counts: np.ndarray) -> np.ndarray:
@@ -207,35 +238,6 @@ def unigram_table(sequences: Iterable, vocab_size: int, smoothing: float = 1.0) 
   for seq in sequences:
     np.add.at(counts, np.asarray(seq, np.int64), 1.0)
   return _log_normalize(counts)
-
-
-def bigram_table(sequences: Iterable, vocab_size: int, smoothing: float = 1.0) -> np.ndarray:
-  """Token-id sequences -> log-probs [V, V], row a = log P(next | previous = a), add-`smoothing`."""
-  if smoothing <= 0:
-    raise ValueError(f"smoothing must be > 0 so every token keeps some probability, got {smoothing}")
-  counts = np.full((vocab_size, vocab_size), float(smoothing))
-  for seq in sequences:
-    seq = np.asarray(seq, np.int64)
-    np.add.at(counts, (seq[:-1], seq[1:]), 1.0)
-  return _log_normalize(counts)
-
-
-def bigram_from_step(step: Callable, init_cache: Callable, params, vocab_size: int,
-                     chunk: int = 1024) -> np.ndarray:
-  """A target's own bigram: log-softmax of its logits after each single token at position 0.
-
-  Runs the step on every token id as a one-token prompt, `chunk` at a time. Returns [V, V] float32.
-  Unigram from a model: sample text from it (autoregressive.generate) and call `unigram_table`.
-  """
-  run = jax.jit(lambda p, tokens: step(p, tokens, jnp.zeros_like(tokens),
-                                       init_cache(tokens.shape[0], 1))[0][:, 0])
-  chunk = min(chunk, vocab_size)
-  rows = []
-  for start in range(0, vocab_size, chunk):
-    ids = np.arange(start, min(start + chunk, vocab_size), dtype=np.int32)
-    padded = np.pad(ids, (0, chunk - len(ids)))  # one compiled shape for every chunk
-    rows.append(np.asarray(jax.nn.log_softmax(run(params, padded[:, None])))[:len(ids)])
-  return np.concatenate(rows).astype(np.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -289,13 +291,15 @@ class SparseBigramDrafter:
   transform. No state: the previous token arrives in `tokens`.
   """
 
-  def init(self, params, prompt_tokens, prompt_lengths, max_length):
+  def init(self, params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, max_length: int,
+           source: Source | None = None) -> None:
     return None
 
-  def propose(self, params, state, tokens, positions, transform):
+  def propose(self, params: SparseBigram, state: None, tokens: jax.Array, positions: jax.Array,
+              transform: Transform) -> tuple[jax.Array, None]:
     return transform(jnp.log(sparse_bigram_probs(params, tokens[:, -1]))), state
 
-  def rollback(self, state, lengths):
+  def rollback(self, state: None, lengths: jax.Array) -> None:
     return state
 
 
@@ -333,3 +337,80 @@ def sparse_bigram(sequences: Iterable, vocab_size: int, top_k: int = 64, concent
                       tail_counts=tail.astype(np.float32),
                       backoff=unigram_table(sequences, vocab_size, smoothing),
                       concentration=np.float32(concentration))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Drafters by name.
+
+TABLE_DRAFTERS = ("unigram", "bigram", "lookup")  # counted on text: they need `sequences`
+
+
+def needs_text(name: str) -> bool:
+  """Whether drafter `name` is counted on token sequences (`make_drafter(..., sequences=)`)."""
+  return name.removeprefix("lookup+") in TABLE_DRAFTERS
+
+
+def make_drafter(name: str, target_config, target_params=None,
+                 sequences: Sequence[Sequence[int]] | None = None, *, bigram_top_k: int = 64,
+                 bigram_concentration: float = 1.0, lookup_ngram: int = 3,
+                 lookup_min_ngram: int = 2, mesh: Mesh | None = None
+                 ) -> tuple[contracts.Drafter, Any]:
+  """A drafter by name for a target -> (drafter, its params on the device).
+
+  unigram / bigram: unigram / sparse top-K bigram counted on `sequences` (token-id lists of text like
+  the target's output); lookup: prompt lookup backed off to the unigram of `sequences`;
+  layers{k}: a decoder-only target's first k layers + final norm + head (needs target_params);
+  model:<path>: a checkpoint of the target's family and vocabulary (.gguf, a Hugging Face directory,
+  a T5X checkpoint); lookup+<name>: prompt lookup (n-grams of lookup_min_ngram..lookup_ngram tokens)
+  in front of any of these, e.g. `lookup+model:out/smollm2_draft/hf`.
+  mesh: the target's mesh, when it has more than one device: a model draft's parameters are sharded
+  on it by the same rules and its activations laid out likewise (Chen et al.: one mesh for both).
+  """
+  vocab_size = target_config.vocab_size
+  if name.startswith("lookup+"):
+    inner, inner_params = make_drafter(
+        name[len("lookup+"):], target_config, target_params, sequences, bigram_top_k=bigram_top_k,
+        bigram_concentration=bigram_concentration, lookup_ngram=lookup_ngram, mesh=mesh)
+    return (LookupThenDrafter(inner, PromptLookupDrafter(vocab_size, max_ngram=lookup_ngram,
+                                                         min_ngram=lookup_min_ngram)), inner_params)
+  if name in TABLE_DRAFTERS and sequences is None:
+    raise ValueError(f"the {name} drafter is counted on token sequences; pass sequences=")
+  if name == "bigram":
+    made = (SparseBigramDrafter(),
+            sparse_bigram(sequences, vocab_size, bigram_top_k, bigram_concentration))
+  elif name == "unigram":
+    made = (UnigramDrafter(), unigram_table(sequences, vocab_size))
+  elif name == "lookup":
+    made = (PromptLookupDrafter(vocab_size, max_ngram=lookup_ngram),
+            unigram_table(sequences, vocab_size))
+  elif name.startswith("model:"):
+    path = name[len("model:"):]
+    if "://" not in path and not pathlib.Path(path).exists():
+      raise FileNotFoundError(
+          f"no draft checkpoint at {path}; train one first (python -m specjax.train_draft "
+          f"--gin_file=configs/smollm2_draft.gin writes out/smollm2_draft/hf; scripts/main.sh runs it)")
+    draft_config, draft_params = checkpoints.load(path)
+    if draft_config.vocab_size != vocab_size:
+      raise ValueError(f"vocabulary sizes differ: the target has {vocab_size} tokens, the draft "
+                       f"{name} {draft_config.vocab_size}; speculative decoding needs one vocabulary")
+    return _model_draft(draft_config, draft_params, mesh)
+  elif name.startswith("layers") and name[6:].isdigit():
+    if not isinstance(target_config, decoder_only.DecoderConfig) or target_params is None:
+      raise ValueError(f"{name} truncates a decoder-only target's layers; it needs that target's "
+                       "DecoderConfig and params")
+    draft_config, draft_params = decoder_only.truncate_layers(target_config, target_params,
+                                                              int(name[6:]))
+    return _model_draft(draft_config, draft_params, mesh)
+  else:
+    raise ValueError(f"unknown drafter {name!r}: use unigram, bigram, lookup, layers{{k}} (layers2), "
+                     "lookup+<another drafter> or model:<checkpoint path>")
+  # On the device once: host (numpy) tables would be copied in on every call of a timed step.
+  return made[0], jax.device_put(made[1])
+
+
+def _model_draft(config, params, mesh: Mesh | None) -> tuple[ModelDrafter, Any]:
+  """A model draft with its params on the device(s): sharded on `mesh` when given."""
+  if mesh is None:
+    return ModelDrafter(models.model_for(config)), jax.device_put(params)
+  return (ModelDrafter(models.model_for(config, mesh)),
+          sharding.place(params, models.param_shardings(config, mesh)))

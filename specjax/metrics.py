@@ -1,13 +1,72 @@
-"""Aggregates of speculative.SpecStats on the host (numpy), comparable with theory.py and with vLLM.
+"""What a decode measured: the per-iteration statistics the speculative loop records (SpecStats, in
+its SpecOutput), their aggregates on the host (numpy), comparable with theory.py and with vLLM; and
+the timing helpers the benchmarks and sweeps share.
 
-Conventions: an iteration is "active" for a row when num_accepted >= 0. Draft position i (1-based) is
-"reached" when the i - 1 drafts before it were accepted (num_accepted >= i - 1); its acceptance_probs
-entry (beta) is then an unbiased estimate of that position's acceptance chance given a real prefix.
+Statistics conventions: an iteration is "active" for a row when num_accepted >= 0. Draft position i
+(1-based) is "reached" when the i - 1 drafts before it were accepted (num_accepted >= i - 1); its
+acceptance_probs entry (beta) is then an unbiased estimate of that position's acceptance chance given
+a real prefix.
+
+Timing conventions: compile ahead of time, outside the timed region; warm each compiled program up (its
+first run is slower); block on results; report medians of repeated runs. Step costs (c = draft step /
+target step, and v = the target scoring T tokens / scoring 1) are timed as the loop runs them: jitted,
+with the cache donated and threaded through, transform and sampling included.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from specjax import autoregressive, contracts, sampling
+
+
+@flax.struct.dataclass
+class SpecStats:
+  """Per row and iteration (I = max_new_tokens slots; the loop runs at most max_new_tokens - 1)."""
+  num_accepted: jax.Array      # [B, I] int32 drafts accepted (raw n, before EOS / max_new cuts); -1 idle
+  num_emitted: jax.Array       # [B, I] int32 tokens committed (after the cuts); 0 when idle
+  acceptance_probs: jax.Array  # [B, I, g] float32 beta per drafted position (`acceptance_probs`);
+  #                              meaningful where the position was reached: index i <= num_accepted
+
+  @classmethod
+  def empty(cls, batch: int, iterations: int, gamma: int) -> "SpecStats":
+    return cls(jnp.full((batch, iterations), -1, jnp.int32),
+               jnp.zeros((batch, iterations), jnp.int32),
+               jnp.zeros((batch, iterations, gamma), jnp.float32))
+
+  def record(self, iteration: jax.Array, active: jax.Array, num_accepted: jax.Array,
+             num_emitted: jax.Array, betas: jax.Array) -> "SpecStats":
+    """Write one iteration's column; rows inactive at its start keep the idle values."""
+    return SpecStats(
+        self.num_accepted.at[:, iteration].set(jnp.where(active, num_accepted, -1)),
+        self.num_emitted.at[:, iteration].set(num_emitted),
+        self.acceptance_probs.at[:, iteration].set(jnp.where(active[:, None], betas, 0.0)))
+
+  @property
+  def target_calls(self) -> jax.Array:
+    """[B] verification calls each row took part in (prefill not counted)."""
+    return jnp.sum(self.num_accepted >= 0, axis=-1)
+
+  @property
+  def draft_calls(self) -> jax.Array:
+    """[B] drafter calls each row took part in (gamma per verification; drafter prefill not counted)."""
+    return self.target_calls * self.acceptance_probs.shape[-1]
+
+
+@flax.struct.dataclass
+class SpecOutput:
+  tokens: jax.Array         # [B, max_new_tokens] int32, pad_id past each row's end
+  num_generated: jax.Array  # [B] int32, EOS included
+  target_calls: jax.Array   # [] int32 target step calls after prefill (loop iterations)
+  draft_calls: jax.Array    # [] int32 drafter calls after its prefill (gamma per iteration)
+  stats: SpecStats
 
 
 def acceptance_histogram(num_accepted, gamma: int) -> np.ndarray:
@@ -60,7 +119,7 @@ def mean_accepted_length(num_accepted) -> float:
   return float((n + 1).mean()) if n.size else float("nan")
 
 
-def summarize(output) -> dict:
+def summarize(output: SpecOutput) -> dict:
   """A SpecOutput -> JSON-ready scalars and lists."""
   stats = output.stats
   num_accepted = np.asarray(stats.num_accepted)
@@ -84,3 +143,114 @@ def summarize(output) -> dict:
       "tokens_per_target_call": float(np.asarray(stats.num_emitted)[active].sum() / active.sum())
                                 if active.any() else float("nan"),
   }
+
+
+def summarize_outputs(outputs: list[SpecOutput]) -> dict:
+  """Per-prompt SpecOutputs -> `summarize` of them stacked as one batch."""
+  stats = jax.tree_util.tree_map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]),
+                                 *[o.stats for o in outputs])
+  stacked = SpecOutput(
+      tokens=np.concatenate([np.asarray(o.tokens) for o in outputs]),
+      num_generated=np.concatenate([np.asarray(o.num_generated) for o in outputs]),
+      target_calls=sum(int(o.target_calls) for o in outputs),
+      draft_calls=sum(int(o.draft_calls) for o in outputs), stats=stats)
+  return summarize(stacked)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timing.
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1
+                   ) -> tuple[float, list[float]]:
+  """Median wall time of fn() over `repeats` runs after `warmup` untimed runs; fn must block."""
+  for _ in range(warmup):
+    fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), times
+
+
+def time_passes(run_one, prompts, repeats: int, warmup: int):
+  """Median over `repeats` of the summed wall time of run_one(*prompt) over all prompts, after
+  `warmup` untimed runs on the first prompt (warming a compiled program needs no full pass). run_one
+  must block. Returns (seconds, per-pass seconds, the last pass's outputs)."""
+  outputs = []
+  for _ in range(warmup):
+    run_one(*prompts[0])
+
+  def one_pass():
+    outputs.clear()
+    outputs.extend(run_one(*prompt) for prompt in prompts)
+
+  seconds, passes = median_seconds(one_pass, repeats, warmup=0)
+  return seconds, passes, list(outputs)
+
+
+def ms_per_token(seconds: float, prefill_s: float, num_prompts: int,
+                 new_tokens: int) -> tuple[float, float]:
+  """(decode ms per token after the first, end-to-end ms per token)."""
+  decode = (seconds - num_prompts * prefill_s) / (num_prompts * (new_tokens - 1))
+  return 1000 * decode, 1000 * seconds / (num_prompts * new_tokens)
+
+
+def prefill_seconds(target: contracts.Model, drafter, target_params, draft_params,
+                    prompt: tuple[jax.Array, jax.Array], max_length: int, repeats: int,
+                    source: contracts.Source | None = None) -> float:
+  """Median time of the work before the first token: the target's prefill (+ the drafter's init, when
+  a drafter is given), the source's encoding included."""
+  def prefill(tp, dp, tokens, lengths, source):
+    session = contracts.open_session(target, tp, source)
+    out = autoregressive.prefill(session, tokens, lengths, max_length)
+    return out if drafter is None else (out, drafter.init(dp, tokens, lengths, max_length, source))
+  compiled = jax.jit(prefill).lower(target_params, draft_params, *prompt, source).compile()
+  return median_seconds(lambda: jax.block_until_ready(
+      compiled(target_params, draft_params, *prompt, source)), repeats)[0]
+
+
+def step_seconds(step_fn, params, state, tokens: jax.Array, positions: jax.Array,
+                 repeats: int) -> float:
+  """Median wall time of one jitted step_fn(params, state, tokens, positions) -> (out, state), with
+  the state donated and threaded through, as inside the loop (no cache copies)."""
+  fn = jax.jit(step_fn, donate_argnums=1)
+  _, state = jax.block_until_ready(fn(params, state, tokens, positions))  # compile + warm up
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    _, state = jax.block_until_ready(fn(params, state, tokens, positions))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _sampled(logits: jax.Array) -> jax.Array:
+  return sampling.probs_from_logits(logits, 1.0)
+
+
+def draft_step(drafter):
+  """One draft step as the loop runs it: propose (transform included), then sample the token."""
+  def fn(params, state, tokens, positions):
+    probs, state = drafter.propose(params, state, tokens, positions, _sampled)
+    return sampling.sample_with_uniform(jnp.full(probs.shape[:-1], 0.5), probs), state
+  return fn
+
+
+def target_step(model: contracts.Model):
+  """The target scoring T tokens as verification does: step, transform at every position, sample the
+  last. Its state is a drafters.ModelDrafter(model) state (the model's context and cache)."""
+  def fn(params, state, tokens, positions):
+    logits, cache = model.decode_step(params, state.context, tokens, positions, state.cache)
+    probs = _sampled(logits)
+    return sampling.sample_with_uniform(jnp.full(probs.shape[:1], 0.5), probs[:, -1]), \
+        state.replace(cache=cache)
+  return fn
+
+
+def one_token(prompt: tuple[jax.Array, jax.Array], width: int = 1) -> tuple[jax.Array, jax.Array]:
+  """tokens[1, width] (the last prompt token repeated) at the positions right after the prompt."""
+  tokens, lengths = prompt
+  last = int(tokens[0, int(lengths[0]) - 1])
+  return (jnp.full((1, width), last, jnp.int32),
+          jnp.asarray(int(lengths[0]) + np.arange(width), jnp.int32)[None])

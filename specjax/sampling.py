@@ -17,25 +17,12 @@ Conventions:
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  """How a token is drawn from logits. Validated here because traced values cannot raise in jit."""
-
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-
-  def __post_init__(self):
-    validate_sampling(self.temperature, self.top_k, self.top_p)
-
-
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
+  """Host-side range checks (traced values cannot raise inside jit); each error names the fix."""
   if not temperature >= 0.0:  # also rejects NaN
     raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
   if int(top_k) != top_k or top_k < 0:

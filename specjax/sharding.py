@@ -1,9 +1,12 @@
 """One device mesh, one rules table: logical axis names -> mesh axes ('data', 'model').
 
 Target and draft share the mesh and the rules (Chen et al.: a wide, shallow draft shares the target's
-topology). Everything is placed with `jax.jit` in/out shardings or `jax.device_put` (pjit is jax.jit
-today); there is no partitioner object. A logical axis whose size does not divide the mesh axis is
-replicated instead (SmolLM2's 3 KV heads on a 2-way model axis, say), so any model runs on any mesh.
+topology). Parameters are placed with `jax.device_put` (`tree_shardings`), and a model built with a
+mesh constrains its activations and KV cache with the same rules (`constrain`): the batch and the
+cache's rows over 'data', heads, MLP hidden units and the vocabulary over 'model'. Everything else is
+`jax.jit` (pjit is jax.jit today); there is no partitioner object. A logical axis whose size does not
+divide the mesh axis is replicated instead (SmolLM2's 3 KV heads on a 2-way model axis, say), so any
+model runs on any mesh.
 
 Multi-host: call `jax.distributed.initialize()` first; `make_mesh` then spans every process's devices.
 """
@@ -35,7 +38,6 @@ RULES: dict[str, str | None] = {
     axes.HEAD_DIM: None,
     axes.CACHE_LENGTH: None,
     axes.CACHE_HEAD_DIM: None,
-    axes.LAYERS: None,
 }
 
 
@@ -71,19 +73,17 @@ def tree_shardings(logical_tree, shape_tree, mesh: Mesh):
       logical_tree, shape_tree, is_leaf=is_spec)
 
 
-def decoder_param_shardings(config, mesh: Mesh):
-  from specjax.models import decoder_only  # pylint: disable=import-outside-toplevel
-  return tree_shardings(decoder_only.param_logical_axes(config), decoder_only.param_shapes(config), mesh)
+def constrain(x: jax.Array, logical: tuple, mesh: Mesh | None) -> jax.Array:
+  """x laid out by the rules on `mesh` (a sharding constraint inside jit); x itself without a mesh."""
+  if mesh is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(logical, x.shape, mesh)))
 
 
 def batch_sharding(mesh: Mesh, batch: int, ndim: int = 2) -> NamedSharding:
   """Rows over 'data' (replicated when the batch does not divide it)."""
   data = "data" if batch % mesh.shape["data"] == 0 else None
   return NamedSharding(mesh, PartitionSpec(data, *([None] * (ndim - 1))))
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, PartitionSpec())
 
 
 def place(tree, shardings):

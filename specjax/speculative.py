@@ -10,42 +10,44 @@ The papers name the two distributions oppositely; code here never says p or q:
   num_accepted      n                                  number of accepted drafts in the iteration
   lenience          l (app. A.5; 1 = lossless)         (not in Chen)
 
-One iteration (Leviathan Alg. 1, Chen Alg. 2), per row of the batch:
-  1. draft x_1..x_gamma, x_i ~ draft_probs_i (after the same temperature / top-k / top-p transform the
-     target uses; `draft` returns the very distribution each token was drawn from);
-  2. one target call scores tokens [last_committed, x_1..x_gamma] at positions [L..L+gamma], giving
-     target_probs_1..target_probs_{gamma+1};
-  3. accept x_i while r_i < target_probs_i(x_i) / (l draft_probs_i(x_i)); n = accepted prefix length;
-  4. emit x_1..x_n and one more token: from normalize(max(0, target_probs_{n+1} - l draft_probs_{n+1}))
-     if n < gamma, else the bonus token from target_probs_{gamma+1};
-  5. roll both caches back to the committed length (kv_cache: set lengths, nothing is zeroed).
+One iteration (Leviathan Alg. 1, Chen Alg. 2), per row of the batch, one named function each:
+  1. `draft`: x_1..x_gamma, x_i ~ draft_probs_i (after the same temperature / top-k / top-p transform
+     the target uses; the drafter returns the very distribution each token was drawn from);
+  2. `verify`: one target call scores tokens [last_token, x_1..x_gamma] at positions [L..L+gamma],
+     giving target_probs_1..target_probs_{gamma+1};
+  3. `accept_with_uniforms`: accept x_i while r_i < target_probs_i(x_i) / (l draft_probs_i(x_i));
+     n = accepted prefix length; the next token comes from normalize(max(0, target_probs_{n+1} -
+     l draft_probs_{n+1})) if n < gamma, else the bonus token from target_probs_{gamma+1};
+  4. `commit`: append x_1..x_n and the next token, cut after EOS, at max_new_tokens, and for rows that
+     were already finished;
+  5. `roll_back`: both caches forget the rejected drafts (contracts.set_lengths: nothing is zeroed).
 
 Greedy (temperature == 0, decided per call from the traced temperature, so one compiled program serves
 both): accept x_i iff target_probs_i(x_i) >= l * max target_probs_i, emit argmax target_probs_{n+1}. For
 argmax lenience target_probs must be the model's soft distribution, not the one-hot that
-`sampling.probs_from_logits` returns at temperature 0, so the loop passes `greedy_target_probs(logits)`
-(softmax at temperature 1, argmax tie-guarded). At l = 1 the output equals target-only greedy decoding.
+`sampling.probs_from_logits` returns at temperature 0, so the loop verifies with
+`greedy_target_probs(logits)` (softmax at temperature 1, argmax tie-guarded). At l = 1 the output
+equals target-only greedy decoding.
 
 Loop conventions mirror `autoregressive.py`: right-padded prompts, the first token from the prefill
 logits, tokens[B, max_new_tokens] padded with pad_id, EOS kept and counted, rows finish independently.
-The target is any step function (DESIGN.md contract 1) with a cache carrying `lengths[B]`; this module
-never imports specjax.models, so tests can hand it table models. Drafters: see drafters.py.
+The target is any contracts.Model (decoder-only, or encoder-decoder with its `source` encoded once);
+this module never imports specjax.models, so tests can hand it table models. Drafters: drafters.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import autoregressive, sampling
-
-StepFn = Callable  # (params, tokens[B, T], positions[B, T], cache) -> (logits[B, T, V], cache)
+from specjax import autoregressive, contracts, sampling
+from specjax.metrics import SpecOutput, SpecStats
 
 # Residual mass below which normalize(max(0, target - l draft)) is float noise (it is exactly 0 when the
 # two distributions are equal, and a rejection then has probability ~0 too). Sampling from
@@ -64,8 +66,14 @@ def validate_lenience(lenience: float) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class SpecShape:
-  """The static part of a speculative decode: changing any field recompiles (it fixes a shape)."""
+class SpecConfig:
+  """The settings of one speculative decode that fix the compiled program.
+
+  Every field here is static: changing gamma, max_new_tokens, top_k, eos_id or pad_id changes a shape
+  or a branch, so it recompiles. temperature, top_p and lenience are NOT fields: they are traced
+  arguments of the compiled function (`make_speculative_decode`), validated on the host at each call,
+  so a temperature / top_p / lenience sweep compiles once per gamma.
+  """
   gamma: int
   max_new_tokens: int
   top_k: int = 0
@@ -74,41 +82,13 @@ class SpecShape:
 
   def __post_init__(self):
     validate_gamma(self.gamma)
-    if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be a whole number >= 1, got {self.max_new_tokens}")
-    sampling.validate_sampling(0.0, self.top_k, 1.0)
+    autoregressive.validate_decode(self.max_new_tokens, self.top_k)
 
 
-@dataclasses.dataclass(frozen=True)
-class SpecConfig:
-  """One speculative-decoding setting.
-
-  gamma, max_new_tokens, top_k, eos_id and pad_id are static (`.shape`; they change compiled shapes).
-  temperature, top_p and lenience are traced arguments of the compiled function (`.traced`), so a
-  temperature / top_p / lenience sweep compiles once per gamma.
-  """
-  gamma: int = 4
-  max_new_tokens: int = 64
-  top_k: int = 0
-  eos_id: int | None = None
-  pad_id: int = 0
-  temperature: float = 0.0
-  top_p: float = 1.0
-  lenience: float = 1.0
-
-  def __post_init__(self):
-    validate_gamma(self.gamma)
-    sampling.validate_sampling(self.temperature, self.top_k, self.top_p)
-    validate_lenience(self.lenience)
-    _ = self.shape  # validates max_new_tokens
-
-  @property
-  def shape(self) -> SpecShape:
-    return SpecShape(self.gamma, self.max_new_tokens, self.top_k, self.eos_id, self.pad_id)
-
-  @property
-  def traced(self) -> dict:
-    return dict(temperature=self.temperature, top_p=self.top_p, lenience=self.lenience)
+def validate_traced(temperature: float, top_p: float, lenience: float) -> None:
+  """Range checks for the traced settings, on the host (inside jit they cannot raise)."""
+  sampling.validate_sampling(temperature, 0, top_p)
+  validate_lenience(lenience)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -128,7 +108,7 @@ def greedy_target_probs(logits: jax.Array) -> jax.Array:
   return jnp.where(~is_top & (probs >= peak), jnp.nextafter(peak, 0.0), probs)
 
 
-def _per_row(value, batch: int, dtype) -> jax.Array:
+def _per_row(value: jax.Array | float | bool, batch: int, dtype) -> jax.Array:
   return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
 
 
@@ -137,7 +117,9 @@ def _at_tokens(probs: jax.Array, tokens: jax.Array) -> jax.Array:
   return jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
 
 
-def acceptance_probs(draft_tokens, draft_probs, target_probs, lenience=1.0, greedy=False):
+def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array,
+                     lenience: jax.Array | float = 1.0,
+                     greedy: jax.Array | bool = False) -> jax.Array:
   """Chance that each drafted token passes the test, given its prefix: beta per draft position.
 
   Sampling: sum_x min(target_probs_i(x) / l, draft_probs_i(x)) (Leviathan's beta, lenient form).
@@ -153,8 +135,10 @@ def acceptance_probs(draft_tokens, draft_probs, target_probs, lenience=1.0, gree
   return jnp.where(greedy, hard.astype(jnp.float32), jnp.minimum(soft, 1.0))
 
 
-def accept_with_uniforms(accept_uniforms, resample_uniform, draft_tokens, draft_probs, target_probs,
-                         lenience=1.0, greedy=False):
+def accept_with_uniforms(accept_uniforms: jax.Array, resample_uniform: jax.Array,
+                         draft_tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array,
+                         lenience: jax.Array | float = 1.0,
+                         greedy: jax.Array | bool = False) -> tuple[jax.Array, jax.Array]:
   """The accept rule with its random numbers given, so a numpy reference can replay them.
 
   Args:
@@ -195,7 +179,9 @@ def accept_with_uniforms(accept_uniforms, resample_uniform, draft_tokens, draft_
   return num_accepted.astype(jnp.int32), next_token.astype(jnp.int32)
 
 
-def accept(rng, draft_tokens, draft_probs, target_probs, lenience=1.0, greedy=False):
+def accept(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array,
+           lenience: jax.Array | float = 1.0,
+           greedy: jax.Array | bool = False) -> tuple[jax.Array, jax.Array]:
   """`accept_with_uniforms` with its uniforms drawn from rng. Shapes and returns as there."""
   batch, gamma = draft_tokens.shape
   accept_rng, resample_rng = jax.random.split(rng)
@@ -213,7 +199,8 @@ def first_token_uniform(rng: jax.Array, batch: int) -> jax.Array:
   return jax.random.uniform(jax.random.fold_in(rng, 0), (batch,))
 
 
-def iteration_uniforms(rng: jax.Array, iteration, batch: int, gamma: int):
+def iteration_uniforms(rng: jax.Array, iteration: jax.Array | int,
+                       batch: int, gamma: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Every random number of loop iteration `iteration` (0-based), so a reference can replay the loop.
 
   Returns draft_uniforms[B, g], accept_uniforms[B, g], resample_uniform[B].
@@ -222,84 +209,119 @@ def iteration_uniforms(rng: jax.Array, iteration, batch: int, gamma: int):
   return u[:, :gamma], u[:, gamma:2 * gamma], u[:, 2 * gamma]
 
 
-def draft(drafter, draft_params, draft_state, prev, last, pos, draft_uniforms, transform):
+def draft(drafter: contracts.Drafter, draft_params: Any, draft_state: Any, prev_token: jax.Array,
+          last_token: jax.Array, position: jax.Array, draft_uniforms: jax.Array,
+          transform: contracts.Transform) -> tuple[jax.Array, jax.Array, Any]:
   """Draft gamma tokens per row: x_i = inverse-CDF(draft_uniforms[:, i], draft_probs_i).
 
-  The first call feeds [prev, last] at positions [pos - 1, pos]: after an iteration that accepted
-  every draft the drafter never saw x_gamma (now at pos - 1), and re-feeding an already cached token
-  rewrites the same slot, so one static shape covers both cases. Later calls feed one token.
-  Args: prev, last, pos [B] int32; draft_uniforms [B, g]; transform: logits[B, V] -> probs[B, V].
+  The first call feeds [prev_token, last_token] at positions [position - 1, position]: after an
+  iteration that accepted every draft the drafter never saw x_gamma (now at position - 1), and
+  re-feeding an already cached token rewrites the same slot, so one static shape covers both cases.
+  Later calls feed one token.
+  Args: prev_token, last_token, position [B] int32; draft_uniforms [B, g]; transform: logits[B, V] ->
+  probs[B, V].
   Returns draft_tokens[B, g] int32, draft_probs[B, g, V], the drafter's new state.
   """
-  probs, draft_state = drafter.propose(draft_params, draft_state, jnp.stack([prev, last], axis=1),
-                                       jnp.stack([pos - 1, pos], axis=1), transform)
+  probs, draft_state = drafter.propose(draft_params, draft_state,
+                                       jnp.stack([prev_token, last_token], axis=1),
+                                       jnp.stack([position - 1, position], axis=1), transform)
   token = sampling.sample_with_uniform(draft_uniforms[:, 0], probs)
 
   def step(carry, uniform):
-    state, token, position = carry
-    probs, state = drafter.propose(draft_params, state, token[:, None], position[:, None], transform)
+    state, token, token_position = carry
+    probs, state = drafter.propose(draft_params, state, token[:, None], token_position[:, None],
+                                   transform)
     new = sampling.sample_with_uniform(uniform, probs)
-    return (state, new, position + 1), (new, probs)
+    return (state, new, token_position + 1), (new, probs)
 
-  (draft_state, _, _), (tokens, rest) = jax.lax.scan(step, (draft_state, token, pos + 1),
+  (draft_state, _, _), (tokens, rest) = jax.lax.scan(step, (draft_state, token, position + 1),
                                                      draft_uniforms[:, 1:].T)
   draft_tokens = jnp.concatenate([token[:, None], tokens.T], axis=1)
   draft_probs = jnp.concatenate([probs[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
   return draft_tokens, draft_probs, draft_state
 
 
-@flax.struct.dataclass
-class SpecStats:
-  """Per row and iteration (I = max_new_tokens slots; the loop runs at most max_new_tokens - 1)."""
-  num_accepted: jax.Array      # [B, I] int32 drafts accepted (raw n, before EOS / max_new cuts); -1 idle
-  num_emitted: jax.Array       # [B, I] int32 tokens committed (after the cuts); 0 when idle
-  acceptance_probs: jax.Array  # [B, I, g] float32 beta per drafted position (`acceptance_probs`);
-  #                              meaningful where the position was reached: index i <= num_accepted
+def verify(session: contracts.Session, target_cache: contracts.Cache, last_token: jax.Array,
+           position: jax.Array, draft_tokens: jax.Array,
+           target_transform) -> tuple[jax.Array, contracts.Cache]:
+  """One target call on [last_token, x_1..x_gamma] at [position .. position + gamma].
 
-  @property
-  def target_calls(self) -> jax.Array:
-    """[B] verification calls each row took part in (prefill not counted)."""
-    return jnp.sum(self.num_accepted >= 0, axis=-1)
-
-  @property
-  def draft_calls(self) -> jax.Array:
-    """[B] drafter calls each row took part in (gamma per verification; drafter prefill not counted)."""
-    return self.target_calls * self.acceptance_probs.shape[-1]
+  Returns target_probs[B, g + 1, V] (after `target_transform`, logits -> probs) and the target cache
+  with all g + 1 tokens written (the rejected ones are rolled back by `roll_back`).
+  """
+  tokens = jnp.concatenate([last_token[:, None], draft_tokens], axis=1)
+  positions = position[:, None] + jnp.arange(draft_tokens.shape[1] + 1, dtype=jnp.int32)
+  logits, target_cache = session.step(tokens, positions, target_cache)
+  return target_transform(logits), target_cache
 
 
 @flax.struct.dataclass
-class SpecOutput:
-  tokens: jax.Array         # [B, max_new_tokens] int32, pad_id past each row's end
-  num_generated: jax.Array  # [B] int32, EOS included
-  target_calls: jax.Array   # [] int32 target step calls after prefill (loop iterations)
-  draft_calls: jax.Array    # [] int32 drafter calls after its prefill (gamma per iteration)
-  stats: SpecStats
+class Commit:
+  """What an iteration appends, after the cuts (per row)."""
+  committed: jax.Array      # [B, max_new + gamma + 1] the committed tokens so far, this iteration's in
+  num_committed: jax.Array  # [B]
+  num_emitted: jax.Array    # [B] tokens this iteration appended (0 for a finished row)
+  done: jax.Array           # [B] bool: finished now (EOS committed or max_new_tokens reached)
+
+
+def commit(state: "LoopState", draft_tokens: jax.Array, num_accepted: jax.Array,
+           next_token: jax.Array, config: SpecConfig) -> Commit:
+  """Append x_1..x_n and next_token to each row: cut after the first EOS, at max_new_tokens, and
+  nothing for rows finished earlier. draft_tokens[B, g], num_accepted / next_token [B]."""
+  batch, gamma = draft_tokens.shape
+  j = jnp.arange(gamma + 1)[None, :]
+  n = num_accepted[:, None]
+  drafted = jnp.concatenate([draft_tokens, jnp.zeros_like(draft_tokens[:, :1])], axis=1)
+  candidates = jnp.where(j < n, drafted, next_token[:, None])
+  eos = autoregressive.is_eos(candidates, config.eos_id) & (j <= n)
+  before_eos = (jnp.cumsum(eos, axis=1) - eos) == 0  # up to and including the first EOS
+  keep = ((j <= n) & before_eos & (state.num_committed[:, None] + j < config.max_new_tokens)
+          & ~state.done[:, None])
+  rows = jnp.arange(batch)[:, None]
+  committed = state.committed.at[rows, state.num_committed[:, None] + j].set(
+      jnp.where(keep, candidates, config.pad_id))
+  num_emitted = jnp.sum(keep, axis=1).astype(jnp.int32)
+  num_committed = state.num_committed + num_emitted
+  done = (state.done | jnp.any(keep & eos, axis=1) | (num_committed >= config.max_new_tokens))
+  return Commit(committed, num_committed, num_emitted, done)
+
+
+def roll_back(state: "LoopState", committed: Commit, draft_tokens: jax.Array, num_accepted: jax.Array,
+              next_token: jax.Array, target_cache: contracts.Cache, draft_state: Any,
+              drafter: contracts.Drafter) -> dict:
+  """Rows that go on move to position + n + 1 with next_token as their last token; both caches keep
+  only committed positions (the extra verification writes and rejected drafts are dropped). Finished
+  rows freeze, so their ignored writes stay inside the buffers. Returns the LoopState fields."""
+  go = ~committed.done
+  position = jnp.where(go, state.position + num_accepted + 1, state.position)
+  rows = jnp.arange(draft_tokens.shape[0])
+  newest_draft = draft_tokens[rows, jnp.maximum(num_accepted - 1, 0)]
+  prev_token = jnp.where(num_accepted > 0, newest_draft, state.last_token)
+  return dict(last_token=jnp.where(go, next_token, state.last_token),
+              prev_token=jnp.where(go, prev_token, state.prev_token), position=position,
+              target_cache=contracts.set_lengths(target_cache, position),
+              draft_state=drafter.rollback(draft_state, position - 1))
 
 
 @flax.struct.dataclass
 class LoopState:
-  """The while_loop carry. Invariant at the top of an iteration, per row: `last` is the newest
-  committed token, at position `pos`, not yet in the target cache (target length == pos); the drafter
-  holds positions < pos - 1 and is re-fed [prev, last] at [pos - 1, pos]. Finished rows freeze pos, so
-  their (ignored) writes stay inside the buffers."""
-  iteration: jax.Array  # [] int32
-  out: jax.Array        # [B, max_new + gamma + 1] committed tokens; the tail absorbs masked writes
-  num: jax.Array        # [B] committed tokens
-  done: jax.Array       # [B] bool
-  last: jax.Array       # [B]
-  prev: jax.Array       # [B] the token at pos - 1
-  pos: jax.Array        # [B]
+  """The while_loop carry. Invariant at the top of an iteration, per row: `last_token` is the newest
+  committed token, at `position`, not yet in the target cache (its length == position); the drafter
+  holds positions < position - 1 and is re-fed [prev_token, last_token] at [position - 1, position].
+  Finished rows freeze `position`, so their (ignored) writes stay inside the buffers."""
+  iteration: jax.Array      # [] int32
+  committed: jax.Array      # [B, max_new + gamma + 1] committed tokens; the tail absorbs masked writes
+  num_committed: jax.Array  # [B]
+  done: jax.Array           # [B] bool
+  last_token: jax.Array     # [B]
+  prev_token: jax.Array     # [B] the committed (or prompt) token at position - 1
+  position: jax.Array       # [B]
   target_cache: Any
   draft_state: Any
   stats: SpecStats
 
 
-def replace_lengths(cache, lengths):
-  """The default rollback: any cache with a `lengths[B]` field (kv_cache.set_lengths for ours)."""
-  return cache.replace(lengths=lengths.astype(jnp.int32))
-
-
-def _check_vocab(target_vocab, drafter, draft_params, draft_state, batch):
+def _check_vocab(target_vocab: int, drafter, draft_params, draft_state, batch: int) -> None:
   shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                   (draft_params, draft_state))
   tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
@@ -309,137 +331,109 @@ def _check_vocab(target_vocab, drafter, draft_params, draft_state, batch):
                      f"{probs.shape[-1]}; speculative decoding needs one shared vocabulary")
 
 
-def speculative_decode(target_step: StepFn, target_init_cache, drafter, shape: SpecShape,
-                       target_params, draft_params, prompt_tokens, prompt_lengths, rng,
-                       temperature=0.0, top_p=1.0, lenience=1.0, *,
-                       set_lengths=replace_lengths) -> SpecOutput:
-  """Decode up to shape.max_new_tokens tokens per row. Jit with `make_speculative_decode`.
+def speculative_decode(target: contracts.Model, drafter: contracts.Drafter, config: SpecConfig,
+                       target_params, draft_params, prompt_tokens: jax.Array,
+                       prompt_lengths: jax.Array, rng: jax.Array, temperature=0.0, top_p=1.0,
+                       lenience=1.0, source: contracts.Source | None = None) -> SpecOutput:
+  """Decode up to config.max_new_tokens tokens per row. Jit with `make_speculative_decode`.
 
   Args:
-    target_step: the target's step function; target_init_cache: (batch, max_length) -> empty cache.
-    drafter: a drafters.py drafter (init / propose / rollback); draft_params its params (or None).
-    prompt_tokens: [B, P] int32, right-padded; prompt_lengths: [B] int32, each >= 1.
+    target: the target contracts.Model; drafter: a drafters.py drafter; draft_params its params (or
+      None).
+    prompt_tokens: [B, P] int32, right-padded; prompt_lengths: [B] int32, each >= 1 (an
+      encoder-decoder target: the decoder start token, P = 1).
     rng: a PRNG key; temperature, top_p, lenience: traced scalars (temperature 0 = greedy).
-    set_lengths: (cache, lengths[B]) -> cache, the target cache's rollback.
+    source: the encoder input of an encoder-decoder target (and of a model draft of that family).
   Returns: SpecOutput (tokens[B, max_new_tokens], num_generated[B], call counts, SpecStats).
   """
   batch, prompt_len = prompt_tokens.shape
-  gamma, max_new, pad = shape.gamma, shape.max_new_tokens, shape.pad_id
-  max_length = prompt_len + max_new + gamma + 1  # kv_cache.required_length: verify writes never spill
+  gamma, max_new = config.gamma, config.max_new_tokens
+  max_length = prompt_len + max_new + gamma + 1  # a verification write never falls off the end
   temperature = jnp.asarray(temperature, jnp.float32)
   lenience = jnp.asarray(lenience, jnp.float32)
   greedy = temperature == 0.0
   sampled = functools.partial(sampling.probs_from_logits, temperature=temperature,
-                              top_k=shape.top_k, top_p=top_p)
+                              top_k=config.top_k, top_p=top_p)
 
   def transform(logits):  # = sampled(logits); the cond lets greedy decoding skip top-p's sort
     return jax.lax.cond(greedy, lambda x: sampling.probs_from_logits(x, 0.0), sampled, logits)
 
-  prompt_lengths = prompt_lengths.astype(jnp.int32)
-  rows = jnp.arange(batch)
+  def target_transform(logits):
+    return jax.lax.cond(greedy, greedy_target_probs, sampled, logits)
 
-  positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-  logits, target_cache = target_step(target_params, prompt_tokens, positions,
-                                     target_init_cache(batch, max_length))
-  target_cache = set_lengths(target_cache, prompt_lengths)
-  draft_state = drafter.init(draft_params, prompt_tokens, prompt_lengths, max_length)
+  prompt_lengths = prompt_lengths.astype(jnp.int32)
+  session = contracts.open_session(target, target_params, source)
+  logits, target_cache = autoregressive.prefill(session, prompt_tokens, prompt_lengths, max_length)
+  draft_state = drafter.init(draft_params, prompt_tokens, prompt_lengths, max_length, source)
   _check_vocab(logits.shape[-1], drafter, draft_params, draft_state, batch)
   first = sampling.sample_with_uniform(
       first_token_uniform(rng, batch),
       transform(autoregressive.last_prompt_logits(logits, prompt_lengths)))
-
-  stats = SpecStats(jnp.full((batch, max_new), -1, jnp.int32), jnp.zeros((batch, max_new), jnp.int32),
-                    jnp.zeros((batch, max_new, gamma), jnp.float32))
   state = LoopState(
       iteration=jnp.int32(0),
-      out=jnp.full((batch, max_new + gamma + 1), pad, jnp.int32).at[:, 0].set(first),
-      num=jnp.ones((batch,), jnp.int32), done=autoregressive.is_eos(first, shape.eos_id) | (max_new == 1),
-      last=first, prev=prompt_tokens[rows, prompt_lengths - 1].astype(jnp.int32), pos=prompt_lengths,
-      target_cache=target_cache, draft_state=drafter.rollback(draft_state, prompt_lengths - 1),
-      stats=stats)
+      committed=jnp.full((batch, max_new + gamma + 1), config.pad_id, jnp.int32).at[:, 0].set(first),
+      num_committed=jnp.ones((batch,), jnp.int32),
+      done=autoregressive.is_eos(first, config.eos_id) | (max_new == 1),
+      last_token=first,
+      prev_token=prompt_tokens[jnp.arange(batch), prompt_lengths - 1].astype(jnp.int32),
+      position=prompt_lengths, target_cache=target_cache,
+      draft_state=drafter.rollback(draft_state, prompt_lengths - 1),
+      stats=SpecStats.empty(batch, max_new, gamma))
 
   def cond(s: LoopState):
     return (s.iteration < max_new) & ~jnp.all(s.done)
 
   def body(s: LoopState) -> LoopState:
     draft_u, accept_u, resample_u = iteration_uniforms(rng, s.iteration, batch, gamma)
-    # Alg. 1 lines 2-4: gamma draft steps.
-    draft_tokens, draft_probs, draft_state = draft(drafter, draft_params, s.draft_state, s.prev,
-                                                   s.last, s.pos, draft_u, transform)
-    # Line 5: one target call on gamma + 1 positions.
-    verify_tokens = jnp.concatenate([s.last[:, None], draft_tokens], axis=1)
-    verify_positions = s.pos[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)
-    logits, target_cache = target_step(target_params, verify_tokens, verify_positions,
-                                       s.target_cache)
-    target_probs = jax.lax.cond(greedy, greedy_target_probs, sampled, logits)
-    # Lines 6-9: accepted prefix and the correction / bonus token.
-    n, next_token = accept_with_uniforms(accept_u, resample_u, draft_tokens, draft_probs,
-                                         target_probs, lenience, greedy)
-
-    # Commit x_1..x_n, next_token; cut after EOS, at max_new_tokens, and for finished rows.
-    j = jnp.arange(gamma + 1)[None, :]
-    drafted = jnp.concatenate([draft_tokens, jnp.zeros_like(draft_tokens[:, :1])], axis=1)
-    candidates = jnp.where(j < n[:, None], drafted, next_token[:, None])
-    eos = autoregressive.is_eos(candidates, shape.eos_id) & (j <= n[:, None])
-    before_eos = (jnp.cumsum(eos, axis=1) - eos) == 0  # up to and including the first EOS
-    keep = ((j <= n[:, None]) & before_eos & (s.num[:, None] + j < max_new) & ~s.done[:, None])
-    out = s.out.at[rows[:, None], s.num[:, None] + j].set(jnp.where(keep, candidates, pad))
-    emitted = jnp.sum(keep, axis=1).astype(jnp.int32)
-    num = s.num + emitted
-    done = s.done | jnp.any(keep & eos, axis=1) | (num >= max_new)
-
-    # Rollback (line 5's extra writes are dropped): slots < new pos hold committed tokens.
-    go = ~done
-    pos = jnp.where(go, s.pos + n + 1, s.pos)
-    prev = jnp.where(n > 0, drafted[rows, jnp.maximum(n - 1, 0)], s.last)
-    active = ~s.done
-    stats = SpecStats(
-        s.stats.num_accepted.at[:, s.iteration].set(jnp.where(active, n, -1)),
-        s.stats.num_emitted.at[:, s.iteration].set(emitted),
-        s.stats.acceptance_probs.at[:, s.iteration].set(jnp.where(
-            active[:, None], acceptance_probs(draft_tokens, draft_probs, target_probs, lenience,
-                                              greedy), 0.0)))
-    return LoopState(
-        iteration=s.iteration + 1, out=out, num=num, done=done,
-        last=jnp.where(go, next_token, s.last), prev=jnp.where(go, prev, s.prev), pos=pos,
-        target_cache=set_lengths(target_cache, pos),
-        draft_state=drafter.rollback(draft_state, pos - 1), stats=stats)
+    draft_tokens, draft_probs, draft_state = draft(drafter, draft_params, s.draft_state, s.prev_token,
+                                                   s.last_token, s.position, draft_u, transform)
+    target_probs, target_cache = verify(session, s.target_cache, s.last_token, s.position,
+                                        draft_tokens, target_transform)
+    num_accepted, next_token = accept_with_uniforms(accept_u, resample_u, draft_tokens, draft_probs,
+                                                    target_probs, lenience, greedy)
+    committed = commit(s, draft_tokens, num_accepted, next_token, config)
+    stats = s.stats.record(s.iteration, ~s.done, num_accepted, committed.num_emitted,
+                           acceptance_probs(draft_tokens, draft_probs, target_probs, lenience,
+                                            greedy))
+    return LoopState(iteration=s.iteration + 1, committed=committed.committed,
+                     num_committed=committed.num_committed, done=committed.done, stats=stats,
+                     **roll_back(s, committed, draft_tokens, num_accepted, next_token, target_cache,
+                                 draft_state, drafter))
 
   s = jax.lax.while_loop(cond, body, state)
-  return SpecOutput(tokens=s.out[:, :max_new], num_generated=s.num, target_calls=s.iteration,
-                    draft_calls=s.iteration * gamma, stats=s.stats)
+  return SpecOutput(tokens=s.committed[:, :max_new], num_generated=s.num_committed,
+                    target_calls=s.iteration, draft_calls=s.iteration * gamma, stats=s.stats)
 
 
-def _validate_concrete(temperature, top_p, lenience) -> None:
-  """Range checks for values known on the host (traced values cannot raise inside jit)."""
+def _concrete_floats(*values) -> list[float] | None:
+  """Host floats of values known outside jit, or None when any is traced."""
   try:
-    values = [float(np.asarray(v)) for v in (temperature, top_p, lenience)]
+    return [float(np.asarray(v)) for v in values]
   except (TypeError, jax.errors.ConcretizationTypeError):
-    return
-  sampling.validate_sampling(values[0], 0, values[1])
-  validate_lenience(values[2])
+    return None
 
 
-def make_speculative_decode(target_step: StepFn, target_init_cache, drafter, shape,
-                            *, set_lengths=replace_lengths, **jit_kwargs):
-  """jit(speculative_decode) for one (target, drafter, shape); shape is a SpecShape or SpecConfig.
+def make_speculative_decode(target: contracts.Model, drafter: contracts.Drafter, config: SpecConfig,
+                            **jit_kwargs):
+  """jit(speculative_decode) for one (target, drafter, config).
 
   Returns fn(target_params, draft_params, prompt_tokens[B, P], prompt_lengths[B], rng,
-  temperature=0., top_p=1., lenience=1.) -> SpecOutput. The three floats are validated on the host
-  and passed as float32 arrays, so any sweep over them reuses one compiled program (`fn.jitted` is the
-  jax.jit object, e.g. for `_cache_size()`). Extra kwargs (in_shardings, ...) go to jax.jit.
+  temperature=0., top_p=1., lenience=1., source=None) -> SpecOutput. The three floats are validated on
+  the host and passed as float32 arrays, so any sweep over them reuses one compiled program
+  (`fn.jitted` is the jax.jit object, e.g. for `_cache_size()`). Extra kwargs (in_shardings, ...) go
+  to jax.jit.
   """
-  if isinstance(shape, SpecConfig):
-    shape = shape.shape
-  jitted = jax.jit(functools.partial(speculative_decode, target_step, target_init_cache, drafter,
-                                     shape, set_lengths=set_lengths), **jit_kwargs)
+  contracts.check_drafter_family(target, drafter)
+  jitted = jax.jit(functools.partial(speculative_decode, target, drafter, config), **jit_kwargs)
 
   def run(target_params, draft_params, prompt_tokens, prompt_lengths, rng, temperature=0.0,
-          top_p=1.0, lenience=1.0) -> SpecOutput:
-    _validate_concrete(temperature, top_p, lenience)
+          top_p=1.0, lenience=1.0, source=None) -> SpecOutput:
+    host = _concrete_floats(temperature, top_p, lenience)
+    if host is not None:
+      validate_traced(*host)
     as_f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     return jitted(target_params, draft_params, prompt_tokens, prompt_lengths, rng,
-                  as_f32(temperature), as_f32(top_p), as_f32(lenience))
+                  as_f32(temperature), as_f32(top_p), as_f32(lenience), source)
 
   run.jitted = jitted
   return run

@@ -16,8 +16,11 @@ import json
 import os
 import pathlib
 
+import gguf
 import numpy as np
+from flax import traverse_util
 
+from specjax import assets
 from specjax.checkpoints import llama_layout
 from specjax.models.decoder_only import DecoderConfig
 
@@ -35,40 +38,47 @@ _GGUF_TO_HF = {
 }
 
 
-def cache_dir() -> pathlib.Path:
-  return pathlib.Path(os.environ.get("SPECJAX_CACHE", pathlib.Path.home() / ".cache" / "specjax"))
-
-
-def _field(reader, key, default=None):
-  import gguf  # pylint: disable=import-outside-toplevel
+def metadata(reader: gguf.GGUFReader, key: str, default=None):
+  """A GGUF metadata field as a Python str / int / float / bool, or a list of them for arrays; `default`
+  when the file lacks it. Reads the reader's raw `parts` / `data`, which are stable across gguf
+  versions, rather than newer helpers."""
   field = reader.fields.get(key)
-  if field is None or not field.data:
+  if field is None or not field.types:
     return default
-  value = field.parts[field.data[0]]
-  if field.types and field.types[0] == gguf.GGUFValueType.STRING:
-    return bytes(value).decode("utf-8")
-  return value.tolist()[0] if hasattr(value, "tolist") else value
+  kinds = gguf.GGUFValueType
+
+  def convert(part, kind):
+    if kind == kinds.STRING:
+      return bytes(part).decode("utf-8")
+    item = part.tolist()[0]
+    return bool(item) if kind == kinds.BOOL else item
+
+  if field.types[0] == kinds.ARRAY:
+    return [convert(field.parts[i], field.types[-1]) for i in field.data]
+  if not field.data:
+    return default
+  return convert(field.parts[field.data[0]], field.types[0])
 
 
 def read_config(reader) -> DecoderConfig:
-  arch = _field(reader, "general.architecture")
+  arch = metadata(reader, "general.architecture")
   if arch != "llama":
     raise ValueError(f"unknown checkpoint layout: GGUF architecture {arch!r}; specjax reads 'llama' "
                      "GGUF files (Llama, SmolLM2, Mistral-style)")
-  heads = int(_field(reader, "llama.attention.head_count"))
-  embed = int(_field(reader, "llama.embedding_length"))
+  heads = int(metadata(reader, "llama.attention.head_count"))
+  embed = int(metadata(reader, "llama.embedding_length"))
   names = {t.name for t in reader.tensors}
-  vocab = _field(reader, "llama.vocab_size")
+  vocab = metadata(reader, "llama.vocab_size")
   if vocab is None:
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)  # counted, not decoded (49k strings)
   return DecoderConfig(
-      vocab_size=int(vocab), embed_dim=embed, num_layers=int(_field(reader, "llama.block_count")),
-      num_heads=heads, num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
-      head_dim=int(_field(reader, "llama.attention.key_length", embed // heads)),
-      mlp_dim=int(_field(reader, "llama.feed_forward_length")),
-      rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+      vocab_size=int(vocab), embed_dim=embed, num_layers=int(metadata(reader, "llama.block_count")),
+      num_heads=heads, num_kv_heads=int(metadata(reader, "llama.attention.head_count_kv", heads)),
+      head_dim=int(metadata(reader, "llama.attention.key_length", embed // heads)),
+      mlp_dim=int(metadata(reader, "llama.feed_forward_length")),
+      rope_theta=float(metadata(reader, "llama.rope.freq_base", 10000.0)),
       # Metadata floats are float32; print-round them so 1e-5 stays 1e-5.
-      norm_eps=float(f'{_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5):.6g}'),
+      norm_eps=float(f'{metadata(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5):.6g}'),
       tie_embeddings="output.weight" not in names)
 
 
@@ -82,7 +92,6 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _hf_tensors(reader, cfg: DecoderConfig) -> dict[str, np.ndarray]:
-  import gguf  # pylint: disable=import-outside-toplevel
   out = {}
   for tensor in reader.tensors:
     w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
@@ -107,49 +116,29 @@ def _hf_tensors(reader, cfg: DecoderConfig) -> dict[str, np.ndarray]:
 
 def load(path, use_cache: bool = True):
   """A .gguf file -> (DecoderConfig, params as float32 numpy arrays)."""
-  import gguf  # pylint: disable=import-outside-toplevel
   path = pathlib.Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"no GGUF file at {path}")
   stat = path.stat()
   key = hashlib.sha1(f"v3:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-  cached = cache_dir() / "gguf" / f"{path.stem}-{key}.npz"
+  cached = assets.cache_dir() / "gguf" / f"{path.stem}-{key}.npz"
   if use_cache and cached.is_file():
     # Parsing the GGUF metadata alone takes seconds (49k vocabulary strings), so the config is cached too.
     with np.load(cached) as data:
       flat = dict(data)
     cfg = DecoderConfig(**json.loads(str(flat.pop(_CONFIG_KEY))))
-    return cfg, _unflatten(flat)
+    return cfg, traverse_util.unflatten_dict(flat, sep="/")
   reader = gguf.GGUFReader(str(path))
   cfg = read_config(reader)
   params = llama_layout.params_from_hf_tensors(_hf_tensors(reader, cfg).get, cfg)
   if use_cache:
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_name(f"{cached.stem}.tmp{os.getpid()}.npz")
-    np.savez(tmp, **_flatten(params), **{_CONFIG_KEY: np.array(json.dumps(dataclasses.asdict(cfg)))})
+    np.savez(tmp, **traverse_util.flatten_dict(params, sep="/"),
+             **{_CONFIG_KEY: np.array(json.dumps(dataclasses.asdict(cfg)))})
     os.replace(tmp, cached)  # atomic: a concurrent or killed writer never leaves a torn cache
   return cfg, params
 
 
 _CONFIG_KEY = "__config_json__"
 
-
-def _flatten(tree, prefix=""):
-  flat = {}
-  for name, value in tree.items():
-    if isinstance(value, dict):
-      flat.update(_flatten(value, f"{prefix}{name}/"))
-    else:
-      flat[f"{prefix}{name}"] = value
-  return flat
-
-
-def _unflatten(flat):
-  tree: dict = {}
-  for path, value in flat.items():
-    *parents, leaf = path.split("/")
-    node = tree
-    for name in parents:
-      node = node.setdefault(name, {})
-    node[leaf] = value
-  return tree

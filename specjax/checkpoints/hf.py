@@ -11,6 +11,7 @@ import json
 import pathlib
 
 import numpy as np
+from safetensors.numpy import load_file, save_file
 
 from specjax.checkpoints import llama_layout
 from specjax.models.decoder_only import DecoderConfig
@@ -49,26 +50,38 @@ def config_to_hf(cfg: DecoderConfig) -> dict:
   }
 
 
-def load(directory):
-  """A directory with config.json and model.safetensors (or model.safetensors.index.json)."""
-  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
-  directory = pathlib.Path(directory)
-  config_path = directory / "config.json"
-  if not config_path.is_file():
-    raise ValueError(f"unknown checkpoint layout at {directory}: no config.json (expected a Hugging "
-                     "Face model directory, a .gguf file, or a T5X checkpoint)")
-  cfg = config_from_hf(json.loads(config_path.read_text()))
+def read_safetensors(directory: pathlib.Path) -> tuple[dict[str, np.ndarray], str]:
+  """Every tensor of a Hugging Face directory (model.safetensors or a sharded index) -> (tensors,
+  the files read, for messages)."""
   index = directory / "model.safetensors.index.json"
   if index.is_file():
     files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
   elif (directory / "model.safetensors").is_file():
     files = ["model.safetensors"]
   else:
-    raise ValueError(f"unknown checkpoint layout at {directory}: config.json but no model.safetensors "
-                     "(PyTorch .bin checkpoints are not read; convert them to safetensors)")
-  tensors: dict[str, np.ndarray] = {}
+    raise ValueError(f"unknown checkpoint layout at {directory}: config.json but no "
+                     "model.safetensors or model.safetensors.index.json (PyTorch .bin checkpoints "
+                     "are not read; convert them to safetensors)")
+  tensors = {}
   for name in files:
     tensors.update(load_file(str(directory / name)))
+  return tensors, ", ".join(str(directory / name) for name in files)
+
+
+def read_config(directory: pathlib.Path) -> dict:
+  """The config.json of a Hugging Face directory, or a clear error naming what was expected."""
+  config_path = directory / "config.json"
+  if not config_path.is_file():
+    raise ValueError(f"unknown checkpoint layout at {directory}: no config.json (expected a Hugging "
+                     "Face model directory, a .gguf file, or a T5X checkpoint)")
+  return json.loads(config_path.read_text())
+
+
+def load(directory):
+  """A directory with config.json and model.safetensors (or model.safetensors.index.json)."""
+  directory = pathlib.Path(directory)
+  cfg = config_from_hf(read_config(directory))
+  tensors, _ = read_safetensors(directory)
   if cfg.tie_embeddings and "lm_head.weight" in tensors:
     tensors.pop("lm_head.weight")  # some exporters store the tied head twice
   head_tokens = None
@@ -83,7 +96,6 @@ def load(directory):
 def save(directory, cfg: DecoderConfig, params) -> pathlib.Path:
   """Write config.json + model.safetensors (float32) that transformers' LlamaForCausalLM loads (+
   head_tokens.json for a subset head)."""
-  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   tensors = llama_layout.hf_tensors_from_params(params, cfg)

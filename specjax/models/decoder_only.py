@@ -8,21 +8,25 @@ One code path serves prefill (T = padded prompt length), a draft step (T = 1) an
 decode step 2x slower; compiling 30 unrolled layers takes a couple of seconds.
 
 After a step the cache's lengths are set to one past each row's last written position; callers that
-wrote padding (a right-padded prefill) or rejected drafts roll back with `kv_cache.set_lengths`.
+wrote padding (a right-padded prefill) or rejected drafts roll back with `contracts.set_lengths`.
+`model(config)` is the contracts.Model the decoding loops take.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import axes
-from specjax.models import kv_cache
-from specjax.models.layers import CachedAttention, GatedMLP, RMSNorm, _param
+from jax.sharding import Mesh
+
+from specjax import axes, contracts, sharding
+from specjax.models import kv_cache, layers
+from specjax.models.layers import CachedAttention, GatedMLP, RMSNorm, param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,38 +79,44 @@ SIZES = {
 
 class _Block(nn.Module):
   config: DecoderConfig
+  mesh: Mesh | None = None
 
   @nn.compact
   def __call__(self, x, positions, keys, values):
     cfg = self.config
     attn_out, keys, values = CachedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                             cfg.rope_theta, name="attn")(
+                                             cfg.rope_theta, self.mesh, name="attn")(
         RMSNorm(cfg.norm_eps, name="attn_norm")(x), positions, keys, values)
     x = x + attn_out
-    x = x + GatedMLP(cfg.mlp_dim, name="mlp")(RMSNorm(cfg.norm_eps, name="mlp_norm")(x))
-    return x, keys, values
+    x = x + GatedMLP(cfg.mlp_dim, mesh=self.mesh, name="mlp")(
+        RMSNorm(cfg.norm_eps, name="mlp_norm")(x))
+    return sharding.constrain(x, layers.ACTIVATIONS, self.mesh), keys, values
 
 
 class DecoderOnly(nn.Module):
+  """The Llama-family network; `mesh` (optional) turns on the activation and cache constraints."""
   config: DecoderConfig
+  mesh: Mesh | None = None
 
   @nn.compact
   def __call__(self, tokens, positions, cache: kv_cache.KVCache):
     cfg = self.config
-    embedding = _param(self, "embedding", (cfg.vocab_size, cfg.embed_dim), (axes.VOCAB, axes.EMBED))
-    x = jnp.take(embedding, tokens, axis=0)
+    embedding = param(self, "embedding", (cfg.vocab_size, cfg.embed_dim), (axes.VOCAB, axes.EMBED))
+    x = sharding.constrain(jnp.take(embedding, tokens, axis=0), layers.ACTIVATIONS, self.mesh)
     keys, values = list(cache.keys), list(cache.values)
     for i in range(cfg.num_layers):
-      x, keys[i], values[i] = _Block(cfg, name=f"layers_{i}")(x, positions, keys[i], values[i])
+      x, keys[i], values[i] = _Block(cfg, self.mesh, name=f"layers_{i}")(x, positions, keys[i],
+                                                                          values[i])
     x = RMSNorm(cfg.norm_eps, name="final_norm")(x)
     if cfg.tie_embeddings:
       logits = jnp.einsum("bte,ve->btv", x, embedding)
     else:
-      lm_head = _param(self, "lm_head", (cfg.embed_dim, cfg.head_size or cfg.vocab_size),
+      lm_head = param(self, "lm_head", (cfg.embed_dim, cfg.head_size or cfg.vocab_size),
                        (axes.EMBED, axes.VOCAB))
       logits = x @ lm_head
     lengths = positions[:, -1].astype(jnp.int32) + 1
-    return logits.astype(jnp.float32), kv_cache.KVCache(tuple(keys), tuple(values), lengths)
+    logits = sharding.constrain(logits.astype(jnp.float32), layers.LOGITS, self.mesh)
+    return logits, kv_cache.KVCache(tuple(keys), tuple(values), lengths)
 
 
 def init_cache(config: DecoderConfig, batch: int, max_length: int, dtype=jnp.float32):
@@ -114,14 +124,15 @@ def init_cache(config: DecoderConfig, batch: int, max_length: int, dtype=jnp.flo
                        dtype)
 
 
-def make_step(config: DecoderConfig):
-  """The step function of DESIGN.md contract 1 for this config (pure; jit it at the call site).
+def make_step(config: DecoderConfig, mesh: Mesh | None = None):
+  """The step function of DESIGN.md contract 1 for this config (pure; jit it at the call site). With
+  a mesh, activations and the cache are laid out by the sharding rules.
 
   A subset-head model (config.head_size > 0) returns full-vocabulary logits too: its K logits land at
   params[HEAD_TOKENS] and every other token gets -inf, i.e. probability 0 after any transform. The
   speculative accept rule stays lossless, since the residual max(p - q, 0) covers those tokens.
   """
-  head_step = head_logits_step(config)
+  head_step = head_logits_step(config, mesh)
   if not config.head_size:
     return head_step
 
@@ -133,15 +144,20 @@ def make_step(config: DecoderConfig):
   return step
 
 
+def model(config: DecoderConfig, mesh: Mesh | None = None) -> contracts.StepModel:
+  """The contracts.Model of this config: its step and empty-cache factory (no encoder)."""
+  return contracts.StepModel(make_step(config, mesh), functools.partial(init_cache, config))
+
+
 def model_params(params):
   """The flax parameters of a model (without a subset head's token ids)."""
   return {name: leaf for name, leaf in params.items() if name != HEAD_TOKENS}
 
 
-def head_logits_step(config: DecoderConfig):
+def head_logits_step(config: DecoderConfig, mesh: Mesh | None = None):
   """step -> (logits over the head's own columns [B, T, head_size or V], cache): what training uses."""
-  model = DecoderOnly(config)
-  return lambda params, tokens, positions, cache: model.apply(
+  network = DecoderOnly(config, mesh)
+  return lambda params, tokens, positions, cache: network.apply(
       {"params": model_params(params)}, tokens, positions, cache)
 
 

@@ -9,9 +9,9 @@ Invariants the step functions rely on:
   * A step writes its T tokens at `positions[B, T]` and its queries attend to slots <= their own
     position. Slots beyond a row's length are stale (rejected draft tokens, right padding of a shorter
     prompt); they are never read, because a row always writes position p before any query at p reads it.
-  * Rollback is `set_lengths`: nothing is zeroed. The next step overwrites the stale slots.
-  * Buffers are sized max_prompt + max_new_tokens + gamma + 1, so a verification write of gamma + 1
-    tokens never falls off the end (see `required_length`).
+  * Rollback is `contracts.set_lengths`: nothing is zeroed. The next step overwrites the stale slots.
+  * The loops size buffers max_prompt + max_new_tokens + gamma + 1, so a verification write of
+    gamma + 1 tokens never falls off the end.
 
 Shapes: keys, values are tuples with one [B, S, kv_heads, head_dim] buffer per layer (separate buffers,
 not one stacked array: XLA:CPU copied a stacked buffer's layer slices every step); lengths [B] int32.
@@ -48,11 +48,6 @@ def init(num_layers: int, batch: int, max_length: int, kv_heads: int, head_dim: 
                  jnp.zeros((batch,), jnp.int32))
 
 
-def required_length(prompt_length: int, max_new_tokens: int, gamma: int = 0) -> int:
-  """Slots needed to decode max_new_tokens after a prompt, with verification writes of gamma + 1."""
-  return prompt_length + max_new_tokens + gamma + 1
-
-
 def write(buffer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
   """Write new[B, T, kv, d] into one layer's buffer[B, S, kv, d] at each row's positions[B, T].
 
@@ -60,11 +55,6 @@ def write(buffer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
   """
   rows = jnp.arange(new.shape[0])[:, None]
   return buffer.at[rows, positions].set(new.astype(buffer.dtype), mode="promise_in_bounds")
-
-
-def set_lengths(cache: KVCache, lengths: jax.Array) -> KVCache:
-  """Roll back (or forward) each row to `lengths[B]` valid slots. Nothing is zeroed."""
-  return cache.replace(lengths=lengths.astype(jnp.int32))
 
 
 def attention_mask(query_positions: jax.Array, max_length: int) -> jax.Array:

@@ -1,8 +1,9 @@
 """Building blocks shared by the model families: RMSNorm, RoPE, gated MLP, cached GQA attention.
 
-Parameters are created with logical axis names (`specjax/axes.py`) so `sharding.py` can place them.
-Kernels are stored [in, out] with heads as their own axis, e.g. the query kernel is [embed, heads,
-head_dim], so head-parallel sharding is a rules-table entry rather than a reshape.
+Parameters are created with logical axis names (`specjax/axes.py`) so `sharding.py` can place them;
+kernels are 2-D [in, out] (heads * head_dim joined: see CachedAttention). A layer given a mesh also
+constrains its activations and cache buffers with the same rules (`sharding.constrain`), so a batched
+decode keeps its rows on 'data' and its heads on 'model'; without a mesh nothing is constrained.
 """
 
 from __future__ import annotations
@@ -11,11 +12,20 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from specjax import axes
+from jax.sharding import Mesh
+
+from specjax import axes, sharding
 from specjax.models import kv_cache
 
+# Logical layouts of the activations a layer constrains.
+ACTIVATIONS = (axes.BATCH, axes.LENGTH, axes.EMBED)
+HEAD_ACTIVATIONS = (axes.BATCH, axes.LENGTH, axes.HEADS, axes.HEAD_DIM)
+MLP_ACTIVATIONS = (axes.BATCH, axes.LENGTH, axes.MLP)
+LOGITS = (axes.BATCH, axes.LENGTH, axes.VOCAB)
 
-def _param(module: nn.Module, name: str, shape, logical_axes, init=None, dtype=jnp.float32):
+
+def param(module: nn.Module, name: str, shape, logical_axes, init=None, dtype=jnp.float32):
+  """module.param with logical axis names (for sharding.py); normal(0.02) unless `init` says."""
   init = init or nn.initializers.normal(stddev=0.02)
   return module.param(name, nn.with_logical_partitioning(init, logical_axes), shape, dtype)
 
@@ -25,7 +35,7 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scale = _param(self, "scale", (x.shape[-1],), (axes.EMBED,), nn.initializers.ones)
+    scale = param(self, "scale", (x.shape[-1],), (axes.EMBED,), nn.initializers.ones)
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (normed * scale).astype(x.dtype)
@@ -46,15 +56,17 @@ class GatedMLP(nn.Module):
   """SwiGLU (Llama): down(act(gate(x)) * up(x))."""
   hidden_dim: int
   activation: str = "silu"
+  mesh: Mesh | None = None
 
   @nn.compact
   def __call__(self, x):
     embed = x.shape[-1]
-    w_gate = _param(self, "w_gate", (embed, self.hidden_dim), (axes.EMBED, axes.MLP))
-    w_up = _param(self, "w_up", (embed, self.hidden_dim), (axes.EMBED, axes.MLP))
-    w_down = _param(self, "w_down", (self.hidden_dim, embed), (axes.MLP, axes.EMBED))
+    w_gate = param(self, "w_gate", (embed, self.hidden_dim), (axes.EMBED, axes.MLP))
+    w_up = param(self, "w_up", (embed, self.hidden_dim), (axes.EMBED, axes.MLP))
+    w_down = param(self, "w_down", (self.hidden_dim, embed), (axes.MLP, axes.EMBED))
     act = {"silu": jax.nn.silu, "gelu": lambda v: jax.nn.gelu(v, approximate=True)}[self.activation]
-    return (act(x @ w_gate) * (x @ w_up)) @ w_down
+    hidden = sharding.constrain(act(x @ w_gate) * (x @ w_up), MLP_ACTIVATIONS, self.mesh)
+    return hidden @ w_down
 
 
 class CachedAttention(nn.Module):
@@ -70,20 +82,23 @@ class CachedAttention(nn.Module):
   num_kv_heads: int
   head_dim: int
   rope_theta: float
+  mesh: Mesh | None = None
 
   @nn.compact
   def __call__(self, x, positions, keys, values):
     batch, steps, embed = x.shape
     h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-    wq = _param(self, "wq", (embed, h * d), (axes.EMBED, axes.HEADS))
-    wk = _param(self, "wk", (embed, kv * d), (axes.EMBED, axes.KV_HEADS))
-    wv = _param(self, "wv", (embed, kv * d), (axes.EMBED, axes.KV_HEADS))
-    wo = _param(self, "wo", (h * d, embed), (axes.HEADS, axes.EMBED))
+    wq = param(self, "wq", (embed, h * d), (axes.EMBED, axes.HEADS))
+    wk = param(self, "wk", (embed, kv * d), (axes.EMBED, axes.KV_HEADS))
+    wv = param(self, "wv", (embed, kv * d), (axes.EMBED, axes.KV_HEADS))
+    wo = param(self, "wo", (h * d, embed), (axes.HEADS, axes.EMBED))
     q = rope((x @ wq).reshape(batch, steps, h, d), positions, self.rope_theta)
+    q = sharding.constrain(q, HEAD_ACTIVATIONS, self.mesh)
     k = rope((x @ wk).reshape(batch, steps, kv, d), positions, self.rope_theta)
     v = (x @ wv).reshape(batch, steps, kv, d)
-    keys = kv_cache.write(keys, k, positions)
-    values = kv_cache.write(values, v, positions)
+    keys = sharding.constrain(kv_cache.write(keys, k, positions), kv_cache.LOGICAL_AXES, self.mesh)
+    values = sharding.constrain(kv_cache.write(values, v, positions), kv_cache.LOGICAL_AXES,
+                                self.mesh)
     q = q.reshape(batch, steps, kv, h // kv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype)) * (d ** -0.5)
     mask = kv_cache.attention_mask(positions, keys.shape[1])[:, None, None]

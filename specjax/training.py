@@ -1,0 +1,116 @@
+"""Training loops shared by the draft distillation and model training: optax AdamW with warmup +
+cosine decay and global-norm clipping, batches in a seeded order fixed by the step number, orbax
+checkpoints with exact resume, tqdm progress with ETA.
+
+`fit` trains any trainer: an object with `spec` (TrainSpec), `optimizer` (optax) and a jitted
+`train_step(params, opt_state, batch) -> (params, opt_state, loss)`. Because the batch a step trains
+on is a pure function of (seed, step), a run interrupted after its last checkpoint resumes to the
+very parameters an uninterrupted run reaches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from absl import logging
+from tqdm import tqdm
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+  steps: int = 300
+  tokens_per_batch: int = 4096
+  learning_rate: float = 3e-3
+  warmup_steps: int = 30
+  weight_decay: float = 0.01
+  clip_norm: float = 1.0
+  validation_fraction: float = 0.05  # of the training sequences, chosen by a hash of their prompt
+  checkpoint_every: int = 100
+  bucket: int = 64                   # sequences are padded to a multiple of this (few compiles)
+
+  def __post_init__(self):
+    if self.steps < 1 or self.tokens_per_batch < 1 or self.checkpoint_every < 1:
+      raise ValueError("steps, tokens_per_batch and checkpoint_every must be >= 1")
+    if not 0.0 < self.validation_fraction < 1.0:
+      raise ValueError(f"validation_fraction must lie in (0, 1), got {self.validation_fraction}")
+
+
+def make_optimizer(spec: TrainSpec):
+  schedule = optax.warmup_cosine_decay_schedule(0.0, spec.learning_rate, spec.warmup_steps,
+                                                max(spec.steps, spec.warmup_steps + 1),
+                                                end_value=spec.learning_rate * 0.1)
+  # Decay matrices only; the embedding's unseen rows keep their (projected) start.
+  decay = lambda params: {name: jax.tree_util.tree_map(lambda x: x.ndim == 2 and name != "embedding",
+                                                       leaf) for name, leaf in params.items()}
+  return optax.chain(optax.clip_by_global_norm(spec.clip_norm),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=spec.weight_decay,
+                                 mask=decay))
+
+
+def batch_order(num_batches: int, step: int, seed: int) -> int:
+  """The batch that `step` trains on: a fresh seeded permutation every epoch, fixed by the step."""
+  epoch, offset = divmod(step, num_batches)
+  return int(np.random.default_rng([seed, epoch]).permutation(num_batches)[offset])
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+  level = logging.get_verbosity()
+  logging.set_verbosity(logging.WARNING)
+  try:
+    yield
+  finally:
+    logging.set_verbosity(level)
+
+
+def _checkpoint_manager(directory, spec: TrainSpec):
+  return ocp.CheckpointManager(
+      pathlib.Path(directory).absolute(),
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=spec.checkpoint_every,
+                                           enable_async_checkpointing=False))
+
+
+def fit(trainer, params, train_batches, seed: int, checkpoint_dir, *,
+        stop_after_step: int | None = None, desc: str = "train"):
+  """Train trainer.spec.steps steps from the latest checkpoint in checkpoint_dir (or from `params`,
+  the trainable tree).
+
+  train_batches: the list of batch dicts. stop_after_step: return after that step as an interruption
+  would (the checkpoint written there lets a rerun resume). Returns (params, losses of this run)."""
+  spec = trainer.spec
+  params = jax.tree_util.tree_map(jnp.asarray, params)
+  state = {"params": params, "opt_state": trainer.optimizer.init(params)}
+  with _quiet_absl():
+    manager = _checkpoint_manager(checkpoint_dir, spec)
+    start = manager.latest_step() or 0
+    if start:
+      state = manager.restore(start, args=ocp.args.StandardRestore(
+          jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)))
+    logging.info("resumed from the checkpoint at step %d", start)
+  end = spec.steps if stop_after_step is None else min(spec.steps, stop_after_step)
+  losses = []
+  params, opt_state = state["params"], state["opt_state"]
+  with tqdm(total=spec.steps, initial=start, desc=desc, unit="step") as bar:
+    for step in range(start, end):
+      batch = train_batches[batch_order(len(train_batches), step, seed)]
+      params, opt_state, loss = trainer.train_step(params, opt_state, batch)
+      if (step + 1) % 10 == 0 or step + 1 == end:
+        losses.append((step + 1, float(loss)))
+        bar.set_postfix(kl=f"{losses[-1][1]:.3f}")
+      if (step + 1) % spec.checkpoint_every == 0 or step + 1 == end:
+        with _quiet_absl():  # orbax logs every save at INFO, dozens of lines
+          manager.save(step + 1, args=ocp.args.StandardSave({"params": params,
+                                                             "opt_state": opt_state}), force=True)
+      bar.update()
+  with _quiet_absl():
+    manager.wait_until_finished()
+  return params, losses
+
+
