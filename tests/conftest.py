@@ -1,4 +1,9 @@
-"""Shared fixtures. Multi-device tests set XLA_FLAGS themselves in a subprocess."""
+"""Shared fixtures and table models. Multi-device tests set XLA_FLAGS themselves in a subprocess.
+
+Table models (DESIGN.md: speculative.py never imports models/, so the loop can be tested on logits
+looked up from fixed arrays): `bigram_step` / `bigram_cache` as a target, `BigramDrafter` over a dense
+[V, V] log-prob table, and `bigram_table` / `bigram_from_step` to build such tables.
+"""
 
 import os
 import pathlib
@@ -11,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.models import decoder_only
+from specjax import contracts
+from specjax.models import decoder_only, t5
 
 
 def random_decoder_params(config, seed=0, scale=0.2):
@@ -56,11 +62,82 @@ def bigram_cache(batch, max_length):
   return LengthsCache(jnp.zeros((batch,), jnp.int32))
 
 
+def bigram_model():
+  """The bigram table model as a contracts.Model: its params are the [V, V] logits table."""
+  return contracts.StepModel(bigram_step, bigram_cache)
+
+
+class BigramDrafter:
+  """Proposes row params[previous token] of a dense [V, V] log-prob table (Leviathan's bigram draft
+  for small vocabularies); no state, the previous token arrives in `tokens`."""
+
+  def init(self, params, prompt_tokens, prompt_lengths, max_length, source=None):
+    return None
+
+  def propose(self, params, state, tokens, positions, transform):
+    return transform(params[tokens[:, -1]]), state
+
+  def rollback(self, state, lengths):
+    return state
+
+
+def bigram_table(sequences, vocab_size, smoothing=1.0):
+  """Token-id sequences -> log-probs [V, V], row a = log P(next | previous = a), add-`smoothing`."""
+  if smoothing <= 0:
+    raise ValueError(f"smoothing must be > 0 so every token keeps some probability, got {smoothing}")
+  counts = np.full((vocab_size, vocab_size), float(smoothing))
+  for seq in sequences:
+    seq = np.asarray(seq, np.int64)
+    np.add.at(counts, (seq[:-1], seq[1:]), 1.0)
+  return (np.log(counts) - np.log(counts.sum(-1, keepdims=True))).astype(np.float32)
+
+
+def bigram_from_step(model, params, vocab_size, chunk=1024):
+  """A model's own bigram: log-softmax of its logits after each single token at position 0, `chunk`
+  token ids at a time. Returns [V, V] float32."""
+  def logits(p, tokens):
+    session = contracts.open_session(model, p)
+    return session.step(tokens, jnp.zeros_like(tokens), session.init_cache(tokens.shape[0], 1))[0][:, 0]
+  run = jax.jit(logits)
+  chunk = min(chunk, vocab_size)
+  rows = []
+  for start in range(0, vocab_size, chunk):
+    ids = np.arange(start, min(start + chunk, vocab_size), dtype=np.int32)
+    padded = np.pad(ids, (0, chunk - len(ids)))  # one compiled shape for every chunk
+    rows.append(np.asarray(jax.nn.log_softmax(run(params, padded[:, None])))[:len(ids)])
+  return np.concatenate(rows).astype(np.float32)
+
+
+def random_t5_params(cfg, seed=0, scale=0.2):
+  """Weights large enough that outputs vary (std 0.02 collapses): kernels `scale`, embedding and
+  relative position tables std 1 (T5's own init), norm scales around 1."""
+  rng = np.random.RandomState(seed)
+
+  def draw(path, leaf):
+    name = jax.tree_util.keystr(path)
+    if "scale" in name:
+      return (1.0 + 0.1 * rng.randn(*leaf.shape)).astype(np.float32)
+    std = 1.0 if ("embedding" in name or "rel_embedding" in name) else scale
+    return (std * rng.randn(*leaf.shape)).astype(np.float32)
+
+  return jax.tree_util.tree_map_with_path(draw, t5.param_shapes(cfg))
+
+
+def ragged_source(cfg, lengths=(20, 9, 14), seed=0):
+  """Right-padded (with pad 0) random sources ending in EOS: tokens[B, max(lengths)], lengths[B]."""
+  rng = np.random.RandomState(seed)
+  tokens = np.zeros((len(lengths), max(lengths)), np.int32)
+  for row, length in enumerate(lengths):
+    tokens[row, :length] = rng.randint(2, cfg.vocab_size, length)
+    tokens[row, length - 1] = cfg.eos_id
+  return tokens, np.asarray(lengths, np.int32)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
   """(config, params, tokenizer) of the embedded SmolLM2-135M-Instruct; loads in well under a second
   once the dequantized cache exists."""
   from specjax import assets, checkpoints, tokenizer  # pylint: disable=import-outside-toplevel
   path = assets.smollm2_gguf_path()
-  config, params = checkpoints.load_decoder(path)
+  config, params = checkpoints.load(path)
   return config, params, tokenizer.Tokenizer.from_gguf(path)

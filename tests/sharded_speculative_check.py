@@ -1,7 +1,6 @@
 """Run in a subprocess with 8 host devices: the speculative loop with target and model draft on ONE
 ('data', 'model') mesh must emit exactly the unsharded tokens, greedy and sampled (fixed rng)."""
 
-import functools
 import os
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -10,7 +9,7 @@ import jax  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402
 
 from conftest import random_decoder_params  # noqa: E402
-from specjax import drafters, sharding, speculative  # noqa: E402
+from specjax import drafters, models, sharding, speculative  # noqa: E402
 from specjax.models import decoder_only  # noqa: E402
 
 TARGET = decoder_only.SIZES["tiny"]
@@ -24,16 +23,13 @@ def main():
   assert jax.device_count() == 8, jax.devices()
   target_params = random_decoder_params(TARGET, seed=11)
   draft_params = random_decoder_params(DRAFT, seed=12)
-  target_step = decoder_only.make_step(TARGET)
-  target_init = functools.partial(decoder_only.init_cache, TARGET)
-  drafter = drafters.ModelDrafter(decoder_only.make_step(DRAFT),
-                                  functools.partial(decoder_only.init_cache, DRAFT))
-  shape = speculative.SpecShape(gamma=3, max_new_tokens=12)
+  drafter = drafters.ModelDrafter(decoder_only.model(DRAFT))
+  shape = speculative.SpecConfig(gamma=3, max_new_tokens=12)
   prompts = np.random.RandomState(0).randint(0, TARGET.vocab_size, (4, 6)).astype(np.int32)
   lengths = np.array([6, 3, 5, 2], np.int32)
   rng = jax.random.PRNGKey(1)
 
-  plain_fn = speculative.make_speculative_decode(target_step, target_init, drafter, shape)
+  plain_fn = speculative.make_speculative_decode(decoder_only.model(TARGET), drafter, shape)
   plain = {name: plain_fn(target_params, draft_params, prompts, lengths, rng, temperature)
            for name, temperature in SETTINGS}
   n = np.asarray(plain["sampled"].stats.num_accepted)
@@ -41,12 +37,13 @@ def main():
 
   for data, model in [(2, 4), (4, 2), (1, 8)]:
     mesh = sharding.make_mesh(data, model)
-    target_shardings = sharding.decoder_param_shardings(TARGET, mesh)
-    draft_shardings = sharding.decoder_param_shardings(DRAFT, mesh)
+    target_shardings = models.param_shardings(TARGET, mesh)
+    draft_shardings = models.param_shardings(DRAFT, mesh)
+    # Both models lay out their activations and caches on the mesh they share.
     fn = speculative.make_speculative_decode(
-        target_step, target_init, drafter, shape,
-        in_shardings=(target_shardings, draft_shardings, sharding.batch_sharding(mesh, 4),
-                      sharding.batch_sharding(mesh, 4, 1), None, None, None, None))
+        decoder_only.model(TARGET, mesh), drafters.ModelDrafter(decoder_only.model(DRAFT, mesh)),
+        shape, in_shardings=(target_shardings, draft_shardings, sharding.batch_sharding(mesh, 4),
+                             sharding.batch_sharding(mesh, 4, 1), None, None, None, None, None))
     placed_target = sharding.place(target_params, target_shardings)
     placed_draft = sharding.place(draft_params, draft_shardings)
     # Both models really are spread over all 8 devices of the one mesh.

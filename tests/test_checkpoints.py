@@ -63,7 +63,7 @@ def test_gguf_reader_undoes_the_permutation_and_matches_safetensors(tmp_path, mo
     params = random_decoder_params(cfg, seed=7)
     _write_gguf(tmp_path / f"tiny-{tied}.gguf", cfg, params)
     for _ in range(2):  # the second load comes from the dequantized cache
-      loaded_cfg, loaded = checkpoints.load_decoder(tmp_path / f"tiny-{tied}.gguf")
+      loaded_cfg, loaded = checkpoints.load(tmp_path / f"tiny-{tied}.gguf")
       assert loaded_cfg == cfg
       jax.tree_util.tree_map(np.testing.assert_array_equal, params, loaded)
 
@@ -82,6 +82,6 @@ def test_hf_directory_with_sharded_index(tmp_path):
     weight_map.update({n: filename for n in chunk})
   (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
   (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(TINY)))
-  cfg, loaded = checkpoints.load_decoder(tmp_path)
+  cfg, loaded = checkpoints.load(tmp_path)
   assert cfg == TINY
   jax.tree_util.tree_map(np.testing.assert_array_equal, params, loaded)

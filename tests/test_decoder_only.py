@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from conftest import random_decoder_params
-from specjax import autoregressive, checkpoints
+from specjax import autoregressive, checkpoints, contracts
 from specjax.checkpoints import hf
-from specjax.models import decoder_only, kv_cache
+from specjax.models import decoder_only
 
 TINY = decoder_only.SIZES["tiny"]
 TINY_UNTIED = dataclasses.replace(TINY, tie_embeddings=False, rope_theta=500.0, norm_eps=1e-6)
@@ -41,7 +41,7 @@ def test_logits_match_hugging_face_llama(cfg, tmp_path):
 def test_safetensors_round_trip_is_exact(tmp_path):
   params = random_decoder_params(TINY_UNTIED, seed=2)
   hf.save(tmp_path, TINY_UNTIED, params)
-  cfg, loaded = checkpoints.load_decoder(tmp_path)
+  cfg, loaded = checkpoints.load(tmp_path)
   assert cfg == TINY_UNTIED
   jax.tree_util.tree_map(np.testing.assert_array_equal, params, loaded)
 
@@ -72,17 +72,15 @@ def test_rollback_then_rewrite_equals_never_written():
   cache = decoder_only.init_cache(TINY, 1, 12)
   _, cache = step(params, tokens[:, :5], jnp.arange(5)[None], cache)
   _, cache = step(params, junk, jnp.arange(5, 8)[None], cache)  # rejected draft tokens
-  cache = kv_cache.set_lengths(cache, jnp.array([5]))
+  cache = contracts.set_lengths(cache, jnp.array([5]))
   logits, _ = step(params, tokens[:, 5:], jnp.arange(5, 8)[None], cache)
   np.testing.assert_allclose(logits, _full_forward(TINY, params, tokens)[:, 5:], atol=1e-5)
 
 
 def test_mixed_prompt_lengths_decode_like_single_rows():
   params = random_decoder_params(TINY, seed=5)
-  step = decoder_only.make_step(TINY)
   shape = autoregressive.DecodeShape(max_new_tokens=12, eos_id=None)
-  generate = autoregressive.make_generate(
-      step, lambda b, s: decoder_only.init_cache(TINY, b, s), shape)
+  generate = autoregressive.make_generate(decoder_only.model(TINY), shape)
   lengths = np.array([7, 2, 5, 4], np.int32)
   rng = np.random.RandomState(3)
   prompts = np.zeros((4, 8), np.int32)
@@ -103,14 +101,13 @@ def test_mixed_prompt_lengths_decode_like_single_rows():
 
 def test_eos_ends_each_row_and_pads_after():
   params = random_decoder_params(TINY, seed=5)
-  step = decoder_only.make_step(TINY)
-  init = lambda b, s: decoder_only.init_cache(TINY, b, s)
+  model = decoder_only.model(TINY)
   prompts = np.array([[5, 9, 11, 3], [17, 2, 0, 0]], np.int32)
   lengths = np.array([4, 2], np.int32)
-  free = autoregressive.make_generate(step, init, autoregressive.DecodeShape(10))(
+  free = autoregressive.make_generate(model, autoregressive.DecodeShape(10))(
       params, prompts, lengths, jax.random.PRNGKey(0), 0.0, 1.0)
   eos = int(free.tokens[0, 3])  # make the 4th token of row 0 the EOS
-  out = autoregressive.make_generate(step, init, autoregressive.DecodeShape(10, eos_id=eos, pad_id=-1))(
+  out = autoregressive.make_generate(model, autoregressive.DecodeShape(10, eos_id=eos, pad_id=-1))(
       params, prompts, lengths, jax.random.PRNGKey(0), 0.0, 1.0)
   first_eos = [int(np.argmax(np.asarray(r) == eos)) if eos in np.asarray(r) else 10
                for r in free.tokens]
@@ -123,22 +120,22 @@ def test_eos_ends_each_row_and_pads_after():
 
 def test_unknown_layouts_get_clear_errors(tmp_path):
   with pytest.raises(ValueError, match="unknown checkpoint layout.*no config.json"):
-    checkpoints.load_decoder(tmp_path)
+    checkpoints.load(tmp_path)
   (tmp_path / "config.json").write_text('{"model_type": "bert"}')
   with pytest.raises(ValueError, match="unknown checkpoint layout.*bert"):
-    checkpoints.load_decoder(tmp_path)
+    checkpoints.load(tmp_path)
   weird = tmp_path / "weights.bin"
   weird.write_bytes(b"\0")
   with pytest.raises(ValueError, match="unknown checkpoint layout"):
-    checkpoints.load_decoder(weird)
+    checkpoints.load(weird)
   with pytest.raises(FileNotFoundError):
-    checkpoints.load_decoder(tmp_path / "missing.gguf")
+    checkpoints.load(tmp_path / "missing.gguf")
 
 
 def test_prompt_longer_than_cache_is_refused():
   shape = autoregressive.DecodeShape(max_new_tokens=8, max_cache_length=16)
   generate = autoregressive.make_generate(
-      decoder_only.make_step(TINY), lambda b, s: decoder_only.init_cache(TINY, b, s), shape)
+      decoder_only.model(TINY), shape)
   prompts = np.ones((1, 12), np.int32)
   with pytest.raises(ValueError, match="prompt of 12 tokens plus 9 more does not fit a cache of 16"):
     generate(random_decoder_params(TINY), prompts, np.array([12], np.int32), jax.random.PRNGKey(0),

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import bigram_cache, bigram_step, random_decoder_params
+from conftest import (BigramDrafter, bigram_from_step, bigram_model, bigram_table,
+                      random_decoder_params)
 from specjax import drafters, sampling, speculative
 from specjax.models import decoder_only
-
-
 
 
 def _transform(temperature=1.0, top_k=0, top_p=1.0):
@@ -24,7 +23,7 @@ def test_table_builders_count_text():
   text = [np.array([0, 0, 1]), np.array([2, 0])]
   unigram = drafters.unigram_table(text, 3, smoothing=1.0)
   np.testing.assert_allclose(np.exp(unigram), np.array([4, 2, 2]) / 8, rtol=1e-6)
-  bigram = drafters.bigram_table(text, 3, smoothing=0.5)
+  bigram = bigram_table(text, 3, smoothing=0.5)
   # Pairs: (0,0), (0,1), (2,0); row 0 counts [1.5, 1.5, 0.5], row 1 uniform, row 2 [1.5, .5, .5].
   np.testing.assert_allclose(np.exp(bigram), [[1.5 / 3.5, 1.5 / 3.5, 0.5 / 3.5], [1 / 3] * 3,
                                               [1.5 / 2.5, 0.5 / 2.5, 0.5 / 2.5]], rtol=1e-6)
@@ -34,7 +33,7 @@ def test_table_builders_count_text():
 
 def test_bigram_from_step_is_the_models_own_bigram():
   table = np.random.RandomState(0).randn(7, 7).astype(np.float32)
-  got = drafters.bigram_from_step(bigram_step, bigram_cache, jnp.asarray(table), 7, chunk=3)
+  got = bigram_from_step(bigram_model(), jnp.asarray(table), 7, chunk=3)
   np.testing.assert_allclose(got, jax.nn.log_softmax(table), atol=1e-6)
 
 
@@ -47,9 +46,9 @@ def test_table_drafters_apply_the_target_transform(transform):
   fn = _transform(**transform)
   probs, state = drafters.UnigramDrafter().propose(unigram, None, tokens, positions, fn)
   np.testing.assert_allclose(probs, np.broadcast_to(fn(unigram), (2, 5)), atol=1e-7)
-  probs, state = drafters.BigramDrafter().propose(bigram, None, tokens, positions, fn)
+  probs, state = BigramDrafter().propose(bigram, None, tokens, positions, fn)
   np.testing.assert_allclose(probs, fn(bigram[np.array([3, 2])]), atol=1e-7)
-  assert state is None and drafters.BigramDrafter().rollback(None, jnp.zeros(2)) is None
+  assert state is None and BigramDrafter().rollback(None, jnp.zeros(2)) is None
 
 
 def test_drafts_are_drawn_from_the_returned_probs():
@@ -61,7 +60,7 @@ def test_drafts_are_drawn_from_the_returned_probs():
   fn = _transform(temperature=0.8, top_k=4)
   prev, last = jnp.zeros((rows,), jnp.int32), jnp.full((rows,), 3, jnp.int32)
   uniforms = jax.random.uniform(jax.random.PRNGKey(0), (rows, 3))
-  tokens, probs, _ = jax.jit(functools.partial(speculative.draft, drafters.BigramDrafter()),
+  tokens, probs, _ = jax.jit(functools.partial(speculative.draft, BigramDrafter()),
                              static_argnums=6)(table, None, prev, last, jnp.ones((rows,), jnp.int32),
                                                uniforms, fn)
   tokens, probs = np.asarray(tokens), np.asarray(probs, np.float64)
@@ -122,9 +121,8 @@ def test_prompt_lookup_in_the_loop_accepts_a_repeated_pattern():
   # every lookup proposal is right and every drafted token is accepted.
   vocab, gamma = 6, 3
   cycle = np.where(np.eye(vocab)[np.roll(np.arange(vocab), -1)] > 0, 0.0, -30.0).astype(np.float32)
-  fn = speculative.make_speculative_decode(
-      bigram_step, bigram_cache, drafters.PromptLookupDrafter(vocab),
-      speculative.SpecShape(gamma=gamma, max_new_tokens=13))
+  fn = speculative.make_speculative_decode(bigram_model(), drafters.PromptLookupDrafter(vocab),
+                                           speculative.SpecConfig(gamma=gamma, max_new_tokens=13))
   out = fn(jnp.asarray(cycle), None, jnp.array([[0, 1, 2, 3, 4, 5, 0]]), jnp.array([7]),
            jax.random.PRNGKey(0), 1.0)
   assert np.asarray(out.tokens[0]).tolist() == [(1 + i) % vocab for i in range(13)]
@@ -140,7 +138,7 @@ def test_model_drafter_rollback_matches_a_fresh_forward():
   params = random_decoder_params(config, seed=3)
   step = decoder_only.make_step(config)
   init_cache = functools.partial(decoder_only.init_cache, config)
-  drafter = drafters.ModelDrafter(step, init_cache)
+  drafter = drafters.ModelDrafter(decoder_only.model(config))
   fn = _transform(1.0)
   prompt = jnp.array([[3, 1, 4, 1, 5], [9, 2, 6, 0, 0]], jnp.int32)
   lengths = jnp.array([5, 3])
@@ -162,7 +160,7 @@ def test_model_drafter_rollback_matches_a_fresh_forward():
     return probs, state
 
   probs, state = drafted_then_redrafted(params)
-  assert np.asarray(state.lengths).tolist() == [7, 5]
+  assert np.asarray(state.cache.lengths).tolist() == [7, 5]
   # Right-padded committed sequences; causal attention makes row 1's padding irrelevant.
   sequences = jnp.array([[3, 1, 4, 1, 5, 7, 20], [9, 2, 6, 7, 20, 0, 0]], jnp.int32)
   logits, _ = jax.jit(step)(params, sequences, jnp.broadcast_to(jnp.arange(7), (2, 7)),

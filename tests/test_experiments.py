@@ -335,7 +335,7 @@ def test_other_sweep_config_refused(tmp_path):
   out = tmp_path / "r.jsonl"
   sweep.run_sweep(POINTS[:2], fake_measure, out, config={"target": "a", "seed": 0}, progress=False)
   before = out.read_text()
-  with pytest.raises(ValueError, match="different sweep config.*Refusing to mix"):
+  with pytest.raises(ValueError, match="different config.*Refusing to mix"):
     sweep.run_sweep(POINTS, fake_measure, out, config={"target": "b", "seed": 0}, progress=False)
   assert out.read_text() == before
   # key order of the config does not matter
@@ -347,7 +347,7 @@ def test_second_writer_and_bad_measure_refused(tmp_path):
   out = tmp_path / "r.jsonl"
   with open(str(out) + ".lock", "a") as lock:
     fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-    with pytest.raises(RuntimeError, match="another sweep is writing"):
+    with pytest.raises(RuntimeError, match="another run is writing"):
       sweep.run_sweep(POINTS, fake_measure, out, progress=False)
   with pytest.raises(ValueError, match=r"changed the point's own parameters .*\['gamma'\]"):
     sweep.run_sweep(POINTS, lambda p: {"gamma": 99}, out, progress=False)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import random_decoder_params
+from conftest import BigramDrafter, bigram_table, random_decoder_params
 from specjax import autoregressive, drafters, sampling, speculative
+from specjax.contracts import StepModel
 from specjax.models import decoder_only
 
 
@@ -72,7 +73,7 @@ def test_sparse_with_k_equal_v_is_the_dense_bigram(transform):
   the drafter proposes what BigramDrafter proposes under every transform."""
   vocab, smoothing = 11, 0.5
   text = _random_text(vocab, seed=2)
-  dense = drafters.bigram_table(text, vocab, smoothing)
+  dense = bigram_table(text, vocab, smoothing)
   sparse = drafters.sparse_bigram(text, vocab, top_k=vocab, concentration=vocab * smoothing)
   sparse = sparse.replace(backoff=np.full(vocab, -np.log(vocab), np.float32))
   np.testing.assert_allclose(drafters.sparse_bigram_probs(sparse, jnp.arange(vocab)), np.exp(dense),
@@ -80,7 +81,7 @@ def test_sparse_with_k_equal_v_is_the_dense_bigram(transform):
   tokens, positions = jnp.array([[1, 3], [0, 7], [5, 5]]), jnp.array([[4, 5], [1, 2], [0, 1]])
   fn = _transform(**transform)
   got, state = drafters.SparseBigramDrafter().propose(sparse, None, tokens, positions, fn)
-  want, _ = drafters.BigramDrafter().propose(jnp.asarray(dense), None, tokens, positions, fn)
+  want, _ = BigramDrafter().propose(jnp.asarray(dense), None, tokens, positions, fn)
   np.testing.assert_allclose(got, want, atol=1e-6)
   assert state is None and drafters.SparseBigramDrafter().rollback(None, jnp.zeros(3)) is None
 
@@ -111,8 +112,8 @@ def test_sparse_bigram_is_lossless_in_the_loop():
   step = lambda table, tokens, positions, cache: (table[tokens],
                                                   cache.replace(lengths=positions[:, -1] + 1))
   init = lambda batch, length: LengthsCache(jnp.zeros((batch,), jnp.int32))
-  out = speculative.make_speculative_decode(step, init, drafters.SparseBigramDrafter(),
-                                            speculative.SpecShape(gamma=3, max_new_tokens=4))(
+  out = speculative.make_speculative_decode(StepModel(step, init), drafters.SparseBigramDrafter(),
+                                            speculative.SpecConfig(gamma=3, max_new_tokens=4))(
       jnp.asarray(target), draft, jnp.full((rows, 1), 2, jnp.int32), jnp.ones((rows,), jnp.int32),
       jax.random.PRNGKey(0), 1.0)
   chain = np.asarray(jax.nn.softmax(target), np.float64)
@@ -167,7 +168,7 @@ def _greedy_setup():
   init_cache = functools.partial(decoder_only.init_cache, CONFIG)
   prompt_tokens = jnp.asarray(np.random.RandomState(6).randint(0, 96, (3, 6)), jnp.int32)
   prompt_lengths = jnp.array([6, 2, 4], jnp.int32)
-  expected = autoregressive.make_generate(step, init_cache, autoregressive.DecodeShape(16))(
+  expected = autoregressive.make_generate(StepModel(step, init_cache), autoregressive.DecodeShape(16))(
       params, prompt_tokens, prompt_lengths, jax.random.PRNGKey(0), 0.0)
   return params, step, init_cache, prompt_tokens, prompt_lengths, expected
 
@@ -181,10 +182,9 @@ def test_greedy_with_large_vocab_drafters_equals_target_greedy(kind):
     drafter, draft_params = drafters.SparseBigramDrafter(), drafters.sparse_bigram(text, 96, top_k=4)
   else:
     draft_config, draft_params = decoder_only.truncate_layers(CONFIG, params, 1)
-    drafter = drafters.ModelDrafter(decoder_only.make_step(draft_config),
-                                    functools.partial(decoder_only.init_cache, draft_config))
+    drafter = drafters.ModelDrafter(decoder_only.model(draft_config))
   out = speculative.make_speculative_decode(
-      step, init_cache, drafter, speculative.SpecShape(gamma=3, max_new_tokens=16))(
+      StepModel(step, init_cache), drafter, speculative.SpecConfig(gamma=3, max_new_tokens=16))(
           params, draft_params, prompt_tokens, prompt_lengths, jax.random.PRNGKey(1), 0.0)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   n = np.asarray(out.stats.num_accepted)

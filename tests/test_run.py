@@ -30,15 +30,18 @@ def test_every_config_parses_and_binds(config):
     for spec in ("DraftShape", "TeacherSpec", "TrainSpec"):  # every binding names a real field
       gin.get_configurable(getattr(train_draft, spec))()
     return
-  bound = gin.get_bindings(run.run)
+  job = gin.query_parameter("run.main.job")  # every run config names its job
+  bound = gin.get_bindings(job.selector)
   assert {"output_dir", "target", "prompts", "decode"} <= set(bound)
+  for spec in (run.ModelSpec, run.PromptSpec, run.DecodeSpec):  # every binding names a real field
+    gin.get_configurable(spec)()
 
 
 def _tiny(tmp_path, *extra):
-  run.parse_gin([str(CONFIG_DIR / "smollm2_generate.gin")], [f"run.run.output_dir = '{tmp_path}'", "run.PromptSpec.limit = 2",
-                                    "run.PromptSpec.batch_size = 2", "run.DecodeSpec.max_new_tokens = 6",
-                                    *extra])
-  return gin.get_configurable(run.run)()
+  run.parse_gin([str(CONFIG_DIR / "smollm2_generate.gin")], [
+      f"run.generate.output_dir = '{tmp_path}'", "run.PromptSpec.limit = 2",
+      "run.PromptSpec.batch_size = 2", "run.DecodeSpec.max_new_tokens = 6", *extra])
+  return gin.get_configurable(run.main)()
 
 
 def test_smoke_real_run_writes_everything_and_resumes(tmp_path):
@@ -74,12 +77,15 @@ def test_unknown_binding_and_missing_checkpoint_are_clear(tmp_path):
 
 def _tiny_sweep(tmp_path, *extra):
   run.parse_gin([str(CONFIG_DIR / "smollm2_default.gin")], [
-      f"run.run.output_dir = '{tmp_path}'", "run.DecodeSpec.max_new_tokens = 8",
-      "run.SweepSpec.tasks = ('humaneval',)", "run.SweepSpec.drafters = ('lookup',)",
-      "run.SweepSpec.gammas = (1, 3)", "run.SweepSpec.temperatures = (0.0, 1.0)",
-      "run.SweepSpec.leniences = (1.0, 0.5)", "run.SweepSpec.lenience_gammas = (2,)",
-      "run.SweepSpec.prompts_per_task = 1", *extra])
-  return gin.get_configurable(run.run)()
+      f"speculative_sweep.sweep.output_dir = '{tmp_path}'", "run.DecodeSpec.max_new_tokens = 8",
+      "speculative_sweep.SweepSpec.tasks = ('humaneval',)",
+      "speculative_sweep.SweepSpec.drafters = ('lookup',)",
+      "speculative_sweep.SweepSpec.gammas = (1, 3)",
+      "speculative_sweep.SweepSpec.temperatures = (0.0, 1.0)",
+      "speculative_sweep.SweepSpec.leniences = (1.0, 0.5)",
+      "speculative_sweep.SweepSpec.lenience_gammas = (2,)",
+      "speculative_sweep.SweepSpec.prompts_per_task = 1", *extra])
+  return gin.get_configurable(run.main)()
 
 
 def test_smoke_sweep_writes_rows_tables_and_plots(tmp_path):
@@ -100,5 +106,5 @@ def test_smoke_sweep_writes_rows_tables_and_plots(tmp_path):
 
 def test_sweep_refuses_gamma_below_one(tmp_path):
   with pytest.raises(ValueError, match="gamma"):
-    _tiny_sweep(tmp_path, "run.SweepSpec.gammas = (0, 2)")
+    _tiny_sweep(tmp_path, "speculative_sweep.SweepSpec.gammas = (0, 2)")
   assert not (tmp_path / "results.jsonl").exists()

@@ -83,5 +83,6 @@ def test_sample_with_uniform_is_inverse_cdf_and_skips_zero_tokens():
     (dict(top_k=-1), "top_k must be a whole number >= 0"),
 ])
 def test_bad_sampling_settings_are_refused(kwargs, message):
+  settings = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **kwargs}
   with pytest.raises(ValueError, match=message):
-    sampling.SamplingConfig(**kwargs)
+    sampling.validate_sampling(**settings)

@@ -55,7 +55,7 @@ def test_greedy_generation_equals_hugging_face(smollm2, peer, real_prompts):
   new_tokens = 24
   shape = autoregressive.DecodeShape(new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id)
   generate = autoregressive.make_generate(
-      decoder_only.make_step(config), lambda b, s: decoder_only.init_cache(config, b, s), shape)
+      decoder_only.model(config), shape)
   tokens, lengths = data.make_batch(real_prompts, tok.pad_id, bucket=32)
   batched = generate(params, tokens, lengths, jax.random.PRNGKey(0), 0.0, 1.0)
   for row, ids in enumerate(real_prompts):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from specjax import autoregressive, data, drafters, speculative
+from specjax.contracts import StepModel
 from specjax.models import decoder_only
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,7 @@ def batch_and_expected(smollm2):
   tokens, lengths = data.make_batch(ids, tok.pad_id, bucket=32)
   step = decoder_only.make_step(config)
   init_cache = functools.partial(decoder_only.init_cache, config)
-  expected = autoregressive.make_generate(step, init_cache, autoregressive.DecodeShape(
+  expected = autoregressive.make_generate(StepModel(step, init_cache), autoregressive.DecodeShape(
       NEW_TOKENS, eos_id=tok.eos_id, pad_id=tok.pad_id))(
           params, tokens, lengths, jax.random.PRNGKey(0), 0.0)
   return tokens, lengths, expected
@@ -39,8 +40,7 @@ def _drafter(kind, config, params, tok):
     text = [tok.encode(p + r) for p, r in zip(train.prompts, train.references)]
     return drafters.SparseBigramDrafter(), drafters.sparse_bigram(text, config.vocab_size, top_k=32)
   draft_config, draft_params = decoder_only.truncate_layers(config, params, 2)
-  return drafters.ModelDrafter(decoder_only.make_step(draft_config),
-                               functools.partial(decoder_only.init_cache, draft_config)), draft_params
+  return drafters.ModelDrafter(decoder_only.model(draft_config)), draft_params
 
 
 @pytest.mark.parametrize("kind", ["sparse bigram", "truncated 2 layers"])
@@ -49,8 +49,8 @@ def test_greedy_equals_target_greedy(smollm2, batch_and_expected, kind):
   tokens, lengths, expected = batch_and_expected
   drafter, draft_params = _drafter(kind, config, params, tok)
   out = speculative.make_speculative_decode(
-      decoder_only.make_step(config), functools.partial(decoder_only.init_cache, config), drafter,
-      speculative.SpecShape(gamma=3, max_new_tokens=NEW_TOKENS, eos_id=tok.eos_id,
+      decoder_only.model(config), drafter,
+      speculative.SpecConfig(gamma=3, max_new_tokens=NEW_TOKENS, eos_id=tok.eos_id,
                             pad_id=tok.pad_id))(
           params, draft_params, tokens, lengths, jax.random.PRNGKey(0), 0.0)
   np.testing.assert_array_equal(out.tokens, expected.tokens)

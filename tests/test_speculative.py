@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import bigram_cache, bigram_step, random_decoder_params
+from conftest import BigramDrafter, bigram_from_step, bigram_model, random_decoder_params
 from specjax import autoregressive, drafters, metrics, sampling, speculative, theory
+from specjax.contracts import StepModel
 from specjax.models import decoder_only
 
 # ---------------------------------------------------------------------------------------------------
@@ -138,11 +139,11 @@ PROMPTS = [[1, 2, 3, 4, 5], [3], [2, 2, 0], [5, 1], [4, 4, 4, 4], [0, 1, 2]]
 @pytest.mark.parametrize("top_k,gamma,max_new", [(0, 3, 12), (3, 1, 12), (0, 5, 3)])
 def test_loop_matches_numpy_reference(top_k, gamma, max_new):
   vocab, eos = 6, 1
-  shape = speculative.SpecShape(gamma=gamma, max_new_tokens=max_new, top_k=top_k, eos_id=eos,
+  shape = speculative.SpecConfig(gamma=gamma, max_new_tokens=max_new, top_k=top_k, eos_id=eos,
                                 pad_id=-1)
   target_table, draft_table = _tables(vocab, seed=top_k, eos=eos)
-  fn = speculative.make_speculative_decode(trigram_step, trigram_cache,
-                                           drafters.ModelDrafter(trigram_step, trigram_cache), shape)
+  trigram = StepModel(trigram_step, trigram_cache)
+  fn = speculative.make_speculative_decode(trigram, drafters.ModelDrafter(trigram), shape)
   prompt_tokens, prompt_lengths = pad_prompts(PROMPTS)
   settings = [(1.0, 1.0, 1.0), (0.7, 0.8, 1.0), (1.0, 1.0, 0.5), (0.0, 1.0, 1.0), (0.0, 1.0, 0.6)]
   for seed, (temperature, top_p, lenience) in enumerate(settings):
@@ -180,7 +181,7 @@ def _decoder_setup():
   prompt_tokens = jnp.asarray(np.random.RandomState(0).randint(0, 128, (4, 7)), jnp.int32)
   prompt_lengths = jnp.array([7, 3, 5, 1], jnp.int32)
   # EOS = a token row 0 emits mid-way, so rows end at different points.
-  plain = autoregressive.make_generate(step, init_cache, autoregressive.DecodeShape(20))(
+  plain = autoregressive.make_generate(StepModel(step, init_cache), autoregressive.DecodeShape(20))(
       target_params, prompt_tokens, prompt_lengths, jax.random.PRNGKey(0), 0.0)
   eos = int(plain.tokens[0, 8])
   return target_params, step, init_cache, prompt_tokens, prompt_lengths, eos
@@ -189,7 +190,7 @@ def _decoder_setup():
 @functools.lru_cache(maxsize=None)
 def _target_greedy(batch):
   target_params, step, init_cache, prompt_tokens, prompt_lengths, eos = _decoder_setup()
-  return autoregressive.make_generate(step, init_cache, autoregressive.DecodeShape(
+  return autoregressive.make_generate(StepModel(step, init_cache), autoregressive.DecodeShape(
       20, eos_id=eos, pad_id=-1))(target_params, prompt_tokens[:batch], prompt_lengths[:batch],
                                   jax.random.PRNGKey(0), 0.0)
 
@@ -203,16 +204,14 @@ def _greedy_drafter(kind, step, init_cache, target_params):
     params = random_decoder_params(dataclasses.replace(config, head_size=0), seed=2)
     params["lm_head"] = params["lm_head"][:, :40]
     params[decoder_only.HEAD_TOKENS] = np.arange(0, 120, 3, dtype=np.int32)
-    return (drafters.ModelDrafter(decoder_only.make_step(config),
-                                  functools.partial(decoder_only.init_cache, config)), params)
+    return (drafters.ModelDrafter(decoder_only.model(config)), params)
   if kind == "random model":
-    return (drafters.ModelDrafter(decoder_only.make_step(TINY_DRAFT),
-                                  functools.partial(decoder_only.init_cache, TINY_DRAFT)),
+    return (drafters.ModelDrafter(decoder_only.model(TINY_DRAFT)),
             random_decoder_params(TINY_DRAFT, seed=1))
   if kind == "identical model":
-    return drafters.ModelDrafter(step, init_cache), target_params
+    return drafters.ModelDrafter(StepModel(step, init_cache)), target_params
   if kind == "bigram":
-    return drafters.BigramDrafter(), drafters.bigram_from_step(step, init_cache, target_params, 128)
+    return BigramDrafter(), bigram_from_step(StepModel(step, init_cache), target_params, 128)
   return drafters.PromptLookupDrafter(128, max_ngram=2), None
 
 
@@ -224,8 +223,8 @@ def test_greedy_equals_target_greedy(kind, batch):
   prompt_tokens, prompt_lengths = prompt_tokens[:batch], prompt_lengths[:batch]
   drafter, draft_params = _greedy_drafter(kind, step, init_cache, target_params)
   expected = _target_greedy(batch)
-  shape = speculative.SpecShape(**GREEDY_SHAPE, eos_id=eos, pad_id=-1)
-  out = speculative.make_speculative_decode(step, init_cache, drafter, shape)(
+  shape = speculative.SpecConfig(**GREEDY_SHAPE, eos_id=eos, pad_id=-1)
+  out = speculative.make_speculative_decode(StepModel(step, init_cache), drafter, shape)(
       target_params, draft_params, prompt_tokens, prompt_lengths, jax.random.PRNGKey(3), 0.0)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   np.testing.assert_array_equal(out.num_generated, expected.num_generated)
@@ -247,12 +246,12 @@ STAT_SHAPE = dict(gamma=3, max_new_tokens=6)
 
 @functools.lru_cache(maxsize=None)
 def _stat_fn(top_k, kind):
-  shape = speculative.SpecShape(**STAT_SHAPE, top_k=top_k)
-  drafter = {"lookup": drafters.PromptLookupDrafter(VOCAB), "bigram": drafters.BigramDrafter(),
+  shape = speculative.SpecConfig(**STAT_SHAPE, top_k=top_k)
+  drafter = {"lookup": drafters.PromptLookupDrafter(VOCAB), "bigram": BigramDrafter(),
              # lookup where a 2-gram repeats (often, with 6 tokens), the bigram elsewhere
              "lookup+bigram": drafters.LookupThenDrafter(
-                 drafters.BigramDrafter(), drafters.PromptLookupDrafter(VOCAB, 2, 2))}[kind]
-  return speculative.make_speculative_decode(bigram_step, bigram_cache, drafter, shape)
+                 BigramDrafter(), drafters.PromptLookupDrafter(VOCAB, 2, 2))}[kind]
+  return speculative.make_speculative_decode(bigram_model(), drafter, shape)
 
 
 def _run_stat(target, draft, seed, temperature=1.0, top_p=1.0, lenience=1.0, top_k=0,
@@ -334,7 +333,7 @@ def test_emitted_distribution_equals_target(name, transform):
 def test_target_only_sampling_follows_the_exact_law():
   """The oracle above is the law plain sampling produces (same false-failure budget)."""
   target, _ = _random_pair(10)
-  out = autoregressive.make_generate(bigram_step, bigram_cache, autoregressive.DecodeShape(3))(
+  out = autoregressive.make_generate(bigram_model(), autoregressive.DecodeShape(3))(
       jnp.asarray(target), jnp.full((ROWS, 1), 2, jnp.int32), jnp.ones((ROWS,), jnp.int32),
       jax.random.PRNGKey(1), 0.6)
   for position, law in enumerate(_marginals(target, 0.6, 0, 1.0, 3)):
@@ -377,7 +376,7 @@ def test_acceptance_rate_matches_alpha(lenience):
 
 def test_sweeping_traced_values_does_not_recompile():
   target, draft = _random_pair(0)
-  fn = speculative.make_speculative_decode(bigram_step, bigram_cache, drafters.BigramDrafter(),
+  fn = speculative.make_speculative_decode(bigram_model(), BigramDrafter(),
                                            speculative.SpecConfig(gamma=2, max_new_tokens=5))
   prompt, lengths = pad_prompts([[1, 2], [3]])
   for i, (temperature, top_p, lenience) in enumerate(
@@ -388,34 +387,30 @@ def test_sweeping_traced_values_does_not_recompile():
 
 
 def test_bad_input():
-  with pytest.raises(ValueError, match="gamma"):
-    speculative.SpecConfig(gamma=0)
-  with pytest.raises(ValueError, match="gamma"):
-    speculative.SpecShape(gamma=0, max_new_tokens=4)
-  for lenience in [0.0, -0.5, 1.5, float("nan")]:
-    with pytest.raises(ValueError, match="lenience"):
-      speculative.SpecConfig(lenience=lenience)
-  with pytest.raises(ValueError, match="temperature"):
-    speculative.SpecConfig(temperature=-1.0)
-  with pytest.raises(ValueError, match="top_p"):
-    speculative.SpecConfig(top_p=0.0)
+  for gamma in [0, -1, 2.5]:
+    with pytest.raises(ValueError, match="gamma"):
+      speculative.SpecConfig(gamma=gamma, max_new_tokens=4)
   with pytest.raises(ValueError, match="top_k"):
-    speculative.SpecConfig(top_k=-1)
+    speculative.SpecConfig(gamma=2, max_new_tokens=4, top_k=-1)
   with pytest.raises(ValueError, match="max_new_tokens"):
-    speculative.SpecConfig(max_new_tokens=0)
+    speculative.SpecConfig(gamma=2, max_new_tokens=0)
 
   target, draft = _random_pair(0)
-  fn = speculative.make_speculative_decode(bigram_step, bigram_cache, drafters.BigramDrafter(),
-                                           speculative.SpecShape(gamma=2, max_new_tokens=4))
+  fn = speculative.make_speculative_decode(bigram_model(), BigramDrafter(),
+                                           speculative.SpecConfig(gamma=2, max_new_tokens=4))
   prompt, lengths = pad_prompts([[1, 2]])
-  with pytest.raises(ValueError, match="lenience"):
-    fn(target, draft, prompt, lengths, jax.random.PRNGKey(0), 1.0, 1.0, 1.5)
+  for lenience in [0.0, -0.5, 1.5, float("nan")]:
+    with pytest.raises(ValueError, match="lenience"):
+      fn(target, draft, prompt, lengths, jax.random.PRNGKey(0), 1.0, 1.0, lenience)
+  with pytest.raises(ValueError, match="temperature"):
+    fn(target, draft, prompt, lengths, jax.random.PRNGKey(0), -1.0)
+  with pytest.raises(ValueError, match="top_p"):
+    fn(target, draft, prompt, lengths, jax.random.PRNGKey(0), 1.0, 0.0)
   wide_draft = np.zeros((VOCAB, VOCAB + 2), np.float32)
   with pytest.raises(ValueError, match=f"target has {VOCAB} tokens, the drafter {VOCAB + 2}"):
     fn(target, wide_draft, prompt, lengths, jax.random.PRNGKey(0))
-  lookup = speculative.make_speculative_decode(
-      bigram_step, bigram_cache, drafters.PromptLookupDrafter(VOCAB + 1),
-      speculative.SpecShape(gamma=2, max_new_tokens=4))
+  lookup = speculative.make_speculative_decode(bigram_model(), drafters.PromptLookupDrafter(VOCAB + 1),
+                                               speculative.SpecConfig(gamma=2, max_new_tokens=4))
   with pytest.raises(ValueError, match="vocabulary sizes differ"):
     lookup(target, None, prompt, lengths, jax.random.PRNGKey(0))
 
@@ -427,13 +422,12 @@ def test_greedy_equals_target_greedy_on_smollm2(smollm2):
   ids = [tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
          tok.encode("The capital of France is")]
   prompt_tokens, prompt_lengths = pad_prompts(ids)
-  step = decoder_only.make_step(config)
-  init_cache = functools.partial(decoder_only.init_cache, config)
-  expected = autoregressive.make_generate(step, init_cache, autoregressive.DecodeShape(
-      16, eos_id=2))(params, prompt_tokens, prompt_lengths, jax.random.PRNGKey(0), 0.0)
+  target = decoder_only.model(config)
+  expected = autoregressive.make_generate(target, autoregressive.DecodeShape(16, eos_id=2))(
+      params, prompt_tokens, prompt_lengths, jax.random.PRNGKey(0), 0.0)
   out = speculative.make_speculative_decode(
-      step, init_cache, drafters.PromptLookupDrafter(config.vocab_size),
-      speculative.SpecShape(gamma=3, max_new_tokens=16, eos_id=2))(
+      target, drafters.PromptLookupDrafter(config.vocab_size),
+      speculative.SpecConfig(gamma=3, max_new_tokens=16, eos_id=2))(
           params, None, prompt_tokens, prompt_lengths, jax.random.PRNGKey(0), 0.0)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   np.testing.assert_array_equal(out.num_generated, expected.num_generated)

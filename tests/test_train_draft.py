@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import random_decoder_params
-from specjax import checkpoints, drafters, metrics, speculative, train_draft
+from specjax import checkpoints, drafters, metrics, speculative, teacher, train_draft, training
 from specjax.checkpoints import hf
 from specjax.models import decoder_only
 
@@ -18,7 +18,7 @@ TARGET = decoder_only.SIZES["tiny"]  # vocab 128
 SHAPE = train_draft.DraftShape(embed_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                                mlp_dim=64, head_size=96)
 DRAFT = SHAPE.config(TARGET)
-SPEC = train_draft.TrainSpec(steps=200, tokens_per_batch=512, learning_rate=1e-2, warmup_steps=10,
+SPEC = training.TrainSpec(steps=200, tokens_per_batch=512, learning_rate=1e-2, warmup_steps=10,
                              checkpoint_every=50, bucket=16, validation_fraction=0.2)
 
 
@@ -31,13 +31,11 @@ def _prompts(count, seed):
 def _setup():
   """Teacher data of the tiny target, split, with the draft's head, batches and initial params."""
   target_params = random_decoder_params(TARGET, seed=3, scale=0.2)
-  step = decoder_only.make_step(TARGET)
-  init_cache = functools.partial(decoder_only.init_cache, TARGET)
   prompts = _prompts(60, seed=0)
-  seqs = train_draft.distil_targets(step, init_cache, target_params, prompts,
-                                    [str(p) for p in prompts], max_new_tokens=24, samples=1,
-                                    top_k=16, batch_size=16, eos_id=None, pad_id=0, seed=0)
-  train, val = train_draft.split_validation(seqs, SPEC.validation_fraction)
+  seqs = teacher.distil_targets(decoder_only.model(TARGET), target_params, prompts,
+                                [str(p) for p in prompts], max_new_tokens=24, samples=1,
+                                top_k=16, batch_size=16, eos_id=None, pad_id=0, seed=0)
+  train, val = teacher.split_validation(seqs, SPEC.validation_fraction)
   head = train_draft.choose_head_tokens(train, TARGET.vocab_size, SHAPE.head_size)
   index_map = train_draft.head_index_map(TARGET.vocab_size, head)
   batches = lambda s: [train_draft.batch_arrays(s, m, SPEC.bucket, index_map)
@@ -70,17 +68,14 @@ def test_teacher_data_is_the_targets_own_distribution():
 
 def _acceptance(target_params, draft_params, seed):
   """Empirical acceptance of speculative sampling (temperature 1) on fresh prompts."""
-  step = decoder_only.make_step(TARGET)
-  init_cache = functools.partial(decoder_only.init_cache, TARGET)
-  drafter = drafters.ModelDrafter(decoder_only.make_step(DRAFT),
-                                  functools.partial(decoder_only.init_cache, DRAFT))
+  drafter = drafters.ModelDrafter(decoder_only.model(DRAFT))
   prompts = _prompts(16, seed=seed)
   tokens = np.zeros((16, 12), np.int32)
   for row, p in enumerate(prompts):
     tokens[row, :len(p)] = p
   lengths = np.array([len(p) for p in prompts], np.int32)
-  shape = speculative.SpecShape(gamma=3, max_new_tokens=24, pad_id=0)
-  out = speculative.make_speculative_decode(step, init_cache, drafter, shape)(
+  shape = speculative.SpecConfig(gamma=3, max_new_tokens=24, pad_id=0)
+  out = speculative.make_speculative_decode(decoder_only.model(TARGET), drafter, shape)(
       target_params, draft_params, tokens, lengths, jax.random.PRNGKey(seed), 1.0)
   return metrics.empirical_alpha(out.stats.num_accepted, 3)
 
@@ -89,7 +84,8 @@ def test_distillation_lowers_kl_and_raises_acceptance(tmp_path):
   target_params, _, _, _, _, train_batches, val_batches, init = _setup()
   trainer = train_draft.Trainer(DRAFT, SPEC)
   before = trainer.evaluate(decoder_only.model_params(init), val_batches)
-  params, losses = train_draft.fit(trainer, init, train_batches, 0, tmp_path / "ckpt")
+  params, losses = training.fit(trainer, decoder_only.model_params(init), train_batches, 0,
+                                tmp_path / "ckpt")
   after = trainer.evaluate(params, val_batches)
   assert after["kl"] < 0.5 * before["kl"], (before, after)
   assert after["overlap"] > before["overlap"] + 0.1, (before, after)
@@ -104,21 +100,22 @@ def test_distillation_lowers_kl_and_raises_acceptance(tmp_path):
 def test_interrupted_run_resumes_to_the_same_parameters(tmp_path):
   _, _, _, _, _, train_batches, _, init = _setup()
   spec = dataclasses.replace(SPEC, steps=30, checkpoint_every=10)
-  straight, _ = train_draft.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0,
-                                tmp_path / "straight")
-  _, first = train_draft.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0,
-                             tmp_path / "resumed", stop_after_step=17)
+  init = decoder_only.model_params(init)
+  straight, _ = training.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0,
+                             tmp_path / "straight")
+  _, first = training.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0,
+                          tmp_path / "resumed", stop_after_step=17)
   assert first[-1][0] == 17
   # A new process would rebuild everything: a fresh Trainer, the same initial params and data.
-  resumed, second = train_draft.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0,
-                                    tmp_path / "resumed")
+  resumed, second = training.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0,
+                                 tmp_path / "resumed")
   assert second[0][0] == 20 and second[-1][0] == 30  # resumed after 17, not from 0
   for a, b in zip(jax.tree_util.tree_leaves(straight), jax.tree_util.tree_leaves(resumed)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_batch_order_is_a_permutation_per_epoch():
-  order = [train_draft.batch_order(7, step, seed=3) for step in range(21)]
+  order = [training.batch_order(7, step, seed=3) for step in range(21)]
   for epoch in range(3):
     assert sorted(order[7 * epoch:7 * epoch + 7]) == list(range(7))
   assert order[:7] != order[7:14]
@@ -155,7 +152,7 @@ def test_export_then_load_gives_identical_logits_here_and_in_transformers(tmp_pa
   import transformers  # pylint: disable=import-outside-toplevel
   params = _subset_draft()
   hf.save(tmp_path, DRAFT, params)
-  config, loaded = checkpoints.load_decoder(tmp_path)
+  config, loaded = checkpoints.load(tmp_path)
   assert config == DRAFT
   tokens = jnp.asarray(np.random.RandomState(2).randint(0, 128, (2, 11)), jnp.int32)
   ours = _logits(DRAFT, params, tokens)
@@ -172,15 +169,14 @@ def test_export_then_load_gives_identical_logits_here_and_in_transformers(tmp_pa
 def test_training_data_and_draft_errors(tmp_path):
   target_params = random_decoder_params(TARGET, seed=3)
   with pytest.raises(ValueError, match="tokenize to nothing"):
-    train_draft.distil_targets(decoder_only.make_step(TARGET),
-                               functools.partial(decoder_only.init_cache, TARGET), target_params,
-                               [[5, 6], []], ["a", ""], max_new_tokens=4, samples=0, top_k=4,
-                               batch_size=2, eos_id=None, pad_id=0, seed=0)
+    teacher.distil_targets(decoder_only.model(TARGET), target_params, [[5, 6], []], ["a", ""],
+                           max_new_tokens=4, samples=0, top_k=4, batch_size=2, eos_id=None,
+                           pad_id=0, seed=0)
   with pytest.raises(ValueError, match="vocabulary"):
     train_draft.check_draft_matches(dataclasses.replace(DRAFT, vocab_size=256, head_size=0), TARGET)
   with pytest.raises(ValueError, match="one entry per task"):
-    train_draft.TeacherSpec(tasks=("humaneval",), max_new_tokens=(8, 8), samples=(0,),
-                            prompts_per_task=(0,))
+    teacher.TeacherSpec(tasks=("humaneval",), max_new_tokens=(8, 8), samples=(0,),
+                        prompts_per_task=(0,))
   with pytest.raises(ValueError, match="tie_embeddings"):
     dataclasses.replace(DRAFT, tie_embeddings=True)
   with pytest.raises(ValueError, match="distinct"):
@@ -203,7 +199,7 @@ def test_the_embedded_default_draft_config_is_the_library_default():
   gin.clear_config()
   try:
     run.parse_gin([str(pathlib.Path(__file__).parent.parent / "configs" / "smollm2_draft.gin")], [])
-    for name in ("DraftShape", "TeacherSpec", "TrainSpec"):
-      assert gin.get_configurable(getattr(train_draft, name))() == getattr(train_draft, name)(), name
+    for spec in (train_draft.DraftShape, teacher.TeacherSpec, training.TrainSpec):
+      assert gin.get_configurable(spec)() == spec(), spec
   finally:
     gin.clear_config()
