@@ -20,8 +20,7 @@ import jax
 import numpy as np
 
 import common
-from specjax import assets, autoregressive, checkpoints, data, tokenizer
-from specjax.models import decoder_only
+from specjax import assets, autoregressive, data, loading
 
 
 def main():
@@ -35,9 +34,8 @@ def main():
   batches = [int(b) for b in args.batches.split(",")]
 
   path = assets.smollm2_gguf_path()
-  config, params = checkpoints.load_decoder(path)
-  params = jax.device_put(params)
-  tok = tokenizer.Tokenizer.from_gguf(path)
+  target = loading.load_model()
+  config, tok, params = target.config, target.tokenizer, jax.device_put(target.params)
   ids = [tok.encode(p) for p in data.load_prompt_set("humaneval").prompts]
   ids = [i[:args.prompt_tokens] for i in ids if len(i) >= args.prompt_tokens]
 
@@ -56,8 +54,7 @@ def main():
     prompts = np.array(ids[:batch], np.int32)
     lengths = np.full((batch,), args.prompt_tokens, np.int32)
     shape = autoregressive.DecodeShape(args.new_tokens, eos_id=None)
-    generate = autoregressive.make_generate(
-        decoder_only.make_step(config), lambda b, s: decoder_only.init_cache(config, b, s), shape)
+    generate = autoregressive.make_generate(target.model, shape)
     run = lambda: jax.block_until_ready(generate(params, prompts, lengths, jax.random.PRNGKey(0), 0.0, 1.0))
     ours_s, ours_all = common.median_seconds(run, args.repeats)
     ours_tokens = np.asarray(run().tokens)

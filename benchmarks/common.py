@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: timing discipline, bandwidth probe, result files."""
+"""Shared benchmark plumbing: held-out prompts, fresh drafter states, bandwidth probe, result files.
+Timing itself lives in specjax.metrics (median_seconds, step_seconds, ...)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from experiments.measure import median_seconds
+from specjax import data, loading
+from specjax.metrics import median_seconds
 
 
 def memory_bandwidth_gbps(megabytes: int = 512, repeats: int = 7) -> float:
@@ -25,3 +27,19 @@ def write_results(name: str, rows: list[dict], markdown: str, meta: dict) -> pat
   (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
   (out / f"{name}.md").write_text(markdown + "\n")
   return out
+
+
+def load_prompts(target: loading.LoadedModel, count: int, name: str = "humaneval",
+                 style: str = "chat"):
+  """The first `count` held-out prompts of a set as batch-1 (tokens[1, P], lengths[1]) pairs padded to
+  one shared length (one compiled program), and their keys."""
+  heldout = data.load_prompt_set(name, "heldout", limit=count, style=style)
+  batch = target.batch(heldout.prompts, bucket=32, max_length=1024)
+  return ([(batch.prompt_tokens[i:i + 1], batch.prompt_lengths[i:i + 1])
+           for i in range(len(heldout))], list(heldout.keys))
+
+
+def fresh_state(drafter, params, prompt, max_length: int):
+  """A drafter's state after its prefill on a batch-1 (tokens, lengths) prompt."""
+  tokens, lengths = prompt
+  return jax.jit(drafter.init, static_argnums=3)(params, tokens, lengths, max_length)

@@ -35,9 +35,9 @@ import sys
 import time
 
 import common
-from specjax import run, train_draft
+from specjax import run, teacher, train_draft, training
 
-DEFAULT_STEPS = train_draft.TrainSpec().steps
+DEFAULT_STEPS = training.TrainSpec().steps
 # name -> (shape, training steps)
 SHAPES = {
     "top8k-d256-L2": (train_draft.DraftShape(), DEFAULT_STEPS),
@@ -78,8 +78,8 @@ def main():
         and (trained_default / "summary.json").exists()):
       shutil.copytree(trained_default, out)  # the same spec: train_draft finds it finished
     fits[name] = train_draft.train(
-        output_dir=str(out), target=run.ModelSpec(), draft=shape, teacher=train_draft.TeacherSpec(),
-        training=dataclasses.replace(train_draft.TrainSpec(), steps=steps))
+        output_dir=str(out), target=run.ModelSpec(), draft=shape, teacher=teacher.TeacherSpec(),
+        training=dataclasses.replace(training.TrainSpec(), steps=steps))
   drafters = ",".join([f"model:{args.out_dir}/{name}/hf" for name in names]
                       + [f"lookup+model:{args.out_dir}/{names[0]}/hf"])
   subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculative.py"), "--drafters", drafters,

@@ -63,9 +63,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import common
-from experiments.measure import (draft_step, fresh_state, load_prompts, median_seconds,
-                                 model_drafter, one_token, step_seconds, target_step_fn)
-from specjax import assets, checkpoints, drafters, sampling, theory, tokenizer
+from common import fresh_state
+from specjax import contracts, drafters, loading, sampling, theory
+from specjax.metrics import draft_step, median_seconds, one_token, step_seconds
+from specjax.metrics import target_step as metrics_target_step
 from specjax.models import decoder_only
 
 WIDTHS = (1, 2, 3, 5, 9)  # target scoring T tokens = verifying gamma = T - 1 drafts
@@ -179,21 +180,20 @@ def prompt_argmax(step, config, params, prompt, cache_dtype):
 def main():
   args = parse_args()
   started = time.perf_counter()
-  config, params = checkpoints.load_decoder(assets.smollm2_gguf_path())
-  params = jax.device_put(params)
-  tok = tokenizer.smollm2_tokenizer()
-  (prompt,), keys = load_prompts(tok, 1)
+  loaded = loading.load_model()
+  config, params = loaded.config, jax.device_put(loaded.params)
+  (prompt,), keys = common.load_prompts(loaded, 1)
   prompt_len = prompt[0].shape[1]
   max_length = prompt_len + NEW_TOKENS + MAX_V_GAMMA + 1
   target_step = decoder_only.make_step(config)
-  target = drafters.ModelDrafter(target_step, functools.partial(decoder_only.init_cache, config))
+  target = drafters.ModelDrafter(loaded.model)
   bandwidth = common.memory_bandwidth_gbps()
   print(f"prompt {keys[0]} padded to {prompt_len}, cache {max_length} slots, read bandwidth "
         f"{bandwidth:.1f} GB/s; setup {time.perf_counter() - started:.0f}s", flush=True)
 
   # The target scoring T tokens: the c denominator (T = 1) and the verification cost v.
   prefilled = fresh_state(target, params, prompt, max_length)
-  scoring = target_step_fn(target_step)
+  scoring = metrics_target_step(loaded.model)
   target_ms = {w: rounds_ms(scoring, params, prefilled, *one_token(prompt, w), args)
                for w in WIDTHS}
   print("target ms by T:", {w: round(ms, 1) for w, ms in target_ms.items()}, flush=True)
@@ -206,7 +206,7 @@ def main():
     return nbytes(draft_params) - unread + cache_bytes(cfg)
 
   def measure(name, cfg, draft_params, vocab_k=None, extra_ms=0.0, kind="own"):
-    drafter = model_drafter(cfg)
+    drafter = drafters.ModelDrafter(decoder_only.model(cfg))
     # A top-K emulation's table has K rows: keep its input ids in range (gather cost is the same).
     tokens, lengths = prompt
     small_prompt = (tokens % cfg.vocab_size, lengths)
@@ -266,8 +266,9 @@ def measure_bf16(config, params, target_step, prompt, max_length, target_ms, arg
     entry = {"weight_mb": nbytes(weights) / 1e6}
     try:
       init = functools.partial(decoder_only.init_cache, config, dtype=cache_dtype)
-      model = drafters.ModelDrafter(target_step, init)
-      prefilled, scoring = fresh_state(model, weights, prompt, max_length), target_step_fn(target_step)
+      model = contracts.StepModel(target_step, init)
+      prefilled = fresh_state(drafters.ModelDrafter(model), weights, prompt, max_length)
+      scoring = metrics_target_step(model)
       for w in (1, 2):
         # One round: at 5-10x float32's step time these are not near the noise.
         ms = 1000 * step_seconds(scoring, weights, copy_tree(prefilled), *one_token(prompt, w),

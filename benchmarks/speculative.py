@@ -44,11 +44,9 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 import common
-from experiments.measure import (draft_step, fresh_state, ints, load_prompts, make_drafter,
-                                 ms_per_token, one_token, prefill_seconds, step_seconds,
-                                 summarize_outputs, target_step_fn, time_passes, train_sequences)
-from specjax import assets, autoregressive, checkpoints, drafters, speculative, theory, tokenizer
-from specjax.models import decoder_only
+from specjax import autoregressive, data, drafters, loading, speculative, theory
+from specjax.metrics import (draft_step, ms_per_token, one_token, prefill_seconds, step_seconds,
+                             summarize_outputs, target_step, time_passes)
 
 
 def parse_args():
@@ -80,22 +78,19 @@ def main():
   args = parse_args()
   started = time.perf_counter()
   temperatures = [float(t) for t in args.temperatures.split(",")]
-  path = assets.smollm2_gguf_path()
-  config, params = checkpoints.load_decoder(path)
-  params = jax.device_put(params)
-  tok = tokenizer.smollm2_tokenizer()
-  prompts, keys = load_prompts(tok, args.prompts)
+  target = loading.load_model()
+  config, tok, model = target.config, target.tokenizer, target.model
+  params = jax.device_put(target.params)
+  prompts, keys = common.load_prompts(target, args.prompts)
   prompt_len = prompts[0][0].shape[1]
-  target_step = decoder_only.make_step(config)
-  target_init = functools.partial(decoder_only.init_cache, config)
   names = args.drafters.split(",")
-  sequences = train_sequences(tok) if {"bigram", "lookup"} & set(names) else None
+  sequences = (data.train_sequences(tok) if any(drafters.needs_text(n) for n in names) else None)
   made = {}
   for name in names:
-    drafter, draft_params = make_drafter(name, config, params, sequences,
-                                         bigram_top_k=args.bigram_top_k,
-                                         bigram_concentration=args.bigram_concentration,
-                                         lookup_ngram=args.lookup_ngram)
+    drafter, draft_params = drafters.make_drafter(name, config, params, sequences,
+                                                  bigram_top_k=args.bigram_top_k,
+                                                  bigram_concentration=args.bigram_concentration,
+                                                  lookup_ngram=args.lookup_ngram)
     made[name] = (drafter, draft_params,
                   ints(args.layer_gammas if name.startswith("layers") else args.gammas))
   max_gamma = max(max(g) for _, _, g in made.values())
@@ -104,31 +99,29 @@ def main():
         f"drafters {list(made)}; setup {time.perf_counter() - started:.0f}s", flush=True)
 
   # Step costs: the target scoring T = 1..max_gamma + 1 tokens, and every drafter's single step.
-  target_cache = fresh_state(drafters.ModelDrafter(target_step, target_init), params, prompts[0],
-                             max_length)
+  target_probe = drafters.ModelDrafter(model)  # for its prefilled cache
   target_ms = {}
-  for width in range(1, max_gamma + 2):
-    target_ms[width] = 1000 * step_seconds(target_step_fn(target_step), params, target_cache,
+  for width in range(1, max_gamma + 2):  # a fresh cache each time: the donated one is gone
+    target_ms[width] = 1000 * step_seconds(target_step(model), params,
+                                           common.fresh_state(target_probe, params, prompts[0], max_length),
                                            *one_token(prompts[0], width), args.step_repeats)
-    target_cache = fresh_state(drafters.ModelDrafter(target_step, target_init), params, prompts[0],
-                               max_length)  # the donated one is gone
-  draft_ms = {name: 1000 * step_seconds(draft_step(d), dp, fresh_state(d, dp, prompts[0], max_length),
+  draft_ms = {name: 1000 * step_seconds(draft_step(d), dp, common.fresh_state(d, dp, prompts[0], max_length),
                                         *one_token(prompts[0]), args.step_repeats)
               for name, (d, dp, _) in made.items()}
   print("target step ms by T:", {t: round(v, 1) for t, v in target_ms.items()},
         "draft step ms:", {n: round(v, 2) for n, v in draft_ms.items()}, flush=True)
 
   # The baseline, at each temperature.
-  generate = autoregressive.make_generate(target_step, target_init, autoregressive.DecodeShape(
+  generate = autoregressive.make_generate(model, autoregressive.DecodeShape(
       args.new_tokens, eos_id=None, pad_id=tok.pad_id))
   rng, f32 = jax.random.PRNGKey(0), functools.partial(jnp.asarray, dtype=jnp.float32)
-  compiled = generate.lower(params, *prompts[0], rng, f32(0.0), f32(1.0)).compile()
-  base_prefill = prefill_seconds(target_step, target_init, None, params, None, prompts[0],
+  compiled = generate.lower(params, *prompts[0], rng, f32(0.0), f32(1.0), None).compile()
+  base_prefill = prefill_seconds(model, None, params, None, prompts[0],
                                  prompt_len + args.new_tokens + 1, 3)
   baseline = {}
   for temperature in temperatures:
     run_one = lambda t, l, temp=temperature: jax.block_until_ready(
-        compiled(params, t, l, rng, f32(temp), f32(1.0)))
+        compiled(params, t, l, rng, f32(temp), f32(1.0), None))
     seconds, passes, _ = time_passes(run_one, prompts, args.repeats,
                                      args.warmup if temperature == temperatures[0] else 0)
     decode_ms, e2e_ms = ms_per_token(seconds, base_prefill, len(prompts), args.new_tokens)
@@ -139,24 +132,24 @@ def main():
   jobs = [(name, gamma) for name, (_, _, gammas) in made.items() for gamma in gammas]
   if not args.no_overhead:
     jobs.append(("self", 1))
-    made["self"] = (drafters.ModelDrafter(target_step, target_init), params, [1])
+    made["self"] = (drafters.ModelDrafter(model), params, [1])
   rows, prefills = [], {}
   bar = tqdm(total=sum(1 if name == "self" else len(temperatures) for name, _ in jobs),
              desc="speculative", unit="run")
   for name, gamma in jobs:
     drafter, draft_params, _ = made[name]
     if name not in prefills:
-      prefills[name] = prefill_seconds(target_step, target_init, drafter, params, draft_params,
-                                       prompts[0], max_length, 3)
-    fn = speculative.make_speculative_decode(target_step, target_init, drafter, speculative.SpecShape(
+      prefills[name] = prefill_seconds(model, drafter, params, draft_params, prompts[0],
+                                       max_length, 3)
+    fn = speculative.make_speculative_decode(model, drafter, speculative.SpecConfig(
         gamma=gamma, max_new_tokens=args.new_tokens, eos_id=None, pad_id=tok.pad_id))
     start = time.perf_counter()
     compiled = fn.jitted.lower(params, draft_params, *prompts[0], rng, f32(0.0), f32(1.0),
-                               f32(1.0)).compile()
+                               f32(1.0), None).compile()
     compile_s = time.perf_counter() - start
     for i, temperature in enumerate([0.0] if name == "self" else temperatures):
       run_one = lambda t, l, temp=temperature: jax.block_until_ready(
-          compiled(params, draft_params, t, l, rng, f32(temp), f32(1.0), f32(1.0)))
+          compiled(params, draft_params, t, l, rng, f32(temp), f32(1.0), f32(1.0), None))
       seconds, passes, outputs = time_passes(run_one, prompts, args.repeats,
                                              args.warmup if i == 0 else 0)
       decode_ms, e2e_ms = ms_per_token(seconds, prefills[name], len(prompts), args.new_tokens)
@@ -232,6 +225,10 @@ def write(args, rows, baseline, target_ms, draft_ms, keys, prompt_len, base_pref
           "target_step_ms": target_ms, "draft_step_ms": draft_ms, "jax": jax.__version__,
           "host": platform.node(), "cpus": os.cpu_count(), "total_s": total_s}
   print("wrote", common.write_results(args.out, rows, markdown, meta))
+
+
+def ints(text):
+  return [int(x) for x in str(text).split(",") if x]
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The measured sweep behind `python -m specjax.run` when a config binds `run.run.sweep`.
+"""The measured speculative sweep: `python -m specjax.run` with `run.main.job = @speculative_sweep.sweep`.
 
 Every point (task x drafter x temperature x lenience x gamma) times the autoregressive baseline and the
 speculative run side by side in this process, on the same held-out prompts (batch 1 each, padded to
@@ -12,23 +12,32 @@ points compare identical token streams and sampled points compare per-token cost
 leaves out the prefill (timed apart per task and drafter; Thm 3.8 models decoding only). The target's
 cost of scoring gamma + 1 tokens, v_gamma in one-token steps, is measured once per sweep, and each row
 also carries Thm 3.8 with v_gamma in place of 1 (theory.speedup_with_verify_cost).
+
+Either model family: for an encoder-decoder target (T5) the prompts are its sources, table drafters
+are counted on the reference outputs, and model drafts encode the source themselves.
+
+The pieces: `SweepSpec` (the grid), `Setup` (target, drafters, prompts), `StepCosts` (c and v, probed
+once), `Programs` (compiled programs and which have been warmed up) and `measure_point`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 import time
 
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from experiments import measure, sweep
-from specjax import autoregressive, speculative, theory
-from specjax.models import decoder_only
+from experiments import plots, tables
+from experiments import sweep as resumable
+from specjax import (autoregressive, data, drafters, loading, metrics, outputs, run, speculative,
+                     theory)
+from specjax.drafters import ModelDrafter
+from specjax.models import decoder_only, t5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,174 +54,241 @@ class SweepSpec:
   repeats: int = 1
 
   def points(self) -> list[dict]:
-    gammas = sweep.validate_gammas(self.gammas)
-    lossless = sweep.grid(task=list(self.tasks), drafter=list(self.drafters),
+    """Every point of the grid, validated before anything is measured."""
+    gammas = resumable.validate_gammas(self.gammas)
+    for value in (*self.temperatures, *self.leniences):
+      float(value)  # a non-number fails here, with its value in the message
+    for temperature in self.temperatures:
+      speculative.validate_traced(temperature, 1.0, 1.0)
+    lossless = resumable.grid(task=list(self.tasks), drafter=list(self.drafters),
                           temperature=list(self.temperatures), lenience=[1.0], gamma=gammas)
     lossy = [l for l in self.leniences if l != 1.0]
     for value in lossy:
       speculative.validate_lenience(value)
-    lenient = sweep.grid(task=list(self.tasks), drafter=list(self.drafters),
+    lenient = resumable.grid(task=list(self.tasks), drafter=list(self.drafters),
                          temperature=list(self.temperatures), lenience=lossy,
-                         gamma=sweep.validate_gammas(self.lenience_gammas)) if lossy else []
+                         gamma=resumable.validate_gammas(self.lenience_gammas)) if lossy else []
     return lossless + lenient
 
+  def all_gammas(self) -> list[int]:
+    lossy = any(l != 1.0 for l in self.leniences)
+    return sorted(set(self.gammas) | (set(self.lenience_gammas) if lossy else set()))
 
-class _Bench:
-  """What points share: the target, drafters, prompts, compiled programs and step costs."""
 
-  def __init__(self, config, params, tokenizer, spec: SweepSpec, max_new_tokens, top_k, top_p, seed,
-               style):
-    self.config, self.params, self.tok, self.spec = config, params, tokenizer, spec
-    self.max_new, self.top_k, self.top_p = max_new_tokens, top_k, top_p
-    self.rng = jax.random.PRNGKey(seed)
-    self.target_step = decoder_only.make_step(config)
-    self.target_init = functools.partial(decoder_only.init_cache, config)
-    tables = {"unigram", "bigram", "lookup"}  # drafters counted on the train split's text
-    needs_text = any(n in tables or n.startswith("lookup+") and n[len("lookup+"):] in tables
-                     for n in spec.drafters)
-    sequences = measure.train_sequences(tokenizer) if needs_text else None
-    self.drafters = {n: measure.make_drafter(n, config, params, sequences) for n in spec.drafters}
-    self.prompts = {t: measure.load_prompts(tokenizer, spec.prompts_per_task, t, style)[0]
-                    for t in spec.tasks}
-    self._compiled = {}
-    self._warm = set()  # programs that have run once: a program's first run is slower
-    self.step_ms = self._step_costs()
-    self.verify_cost = self._verify_costs()
-    self._prefill_s = {}
+Prompt = tuple  # (prompt_tokens[1, P], prompt_lengths[1], source or None): one batch-1 decode
 
-  def _timed_step_ms(self, step_fn, drafter, params, width, repeats):
-    """ms of one jitted step on `width` tokens after the first task's first prompt, batch 1."""
-    prompt = next(iter(self.prompts.values()))[0]
-    length = prompt[0].shape[1] + self.max_new + max(self.spec.gammas) + 2
-    return 1000 * measure.step_seconds(step_fn, params,
-                                       measure.fresh_state(drafter, params, prompt, length),
-                                       *measure.one_token(prompt, width), repeats)
 
-  def _step_costs(self) -> dict:
-    """Median single-step times (batch 1, T = 1) of the target and every drafter, for c."""
-    self._target_fn = measure.target_step_fn(self.target_step)
-    self._target_cache = measure.model_drafter(self.config)  # only for its prefilled cache
-    costs = {"target": self._timed_step_ms(self._target_fn, self._target_cache, self.params, 1, 15)}
-    for name, (drafter, draft_params) in self.drafters.items():
-      costs[name] = self._timed_step_ms(measure.draft_step(drafter), drafter, draft_params, 1, 15)
-    logging.info("step ms: %s", {k: round(v, 2) for k, v in costs.items()})
-    return costs
+def heldout_prompts(target: loading.LoadedModel, task: str, count: int, style: str) -> list[Prompt]:
+  """The first `count` held-out prompts of a set as batch-1 inputs padded to one shared length (one
+  compiled program per task)."""
+  # A prompts file is a test set of its own: all of it counts (the named sets keep their split).
+  split = "all" if task.endswith(".jsonl") else "heldout"
+  heldout = data.load_prompt_set(task, split, limit=count, style=style)
+  batch = target.batch(heldout.prompts, bucket=32, max_length=1024)
+  rows = lambda array, i: None if array is None else jax.tree_util.tree_map(lambda x: x[i:i + 1],
+                                                                            array)
+  return [(batch.prompt_tokens[i:i + 1], batch.prompt_lengths[i:i + 1], rows(batch.source, i))
+          for i in range(len(heldout))]
 
-  def _verify_costs(self) -> dict:
-    """gamma -> the target scoring gamma + 1 tokens in target steps of one token (v_gamma)."""
-    costs = {}
-    lossy = any(l != 1.0 for l in self.spec.leniences)
-    for gamma in sorted(set(self.spec.gammas) | (set(self.spec.lenience_gammas) if lossy else set())):
-      # Median of 3 medians: one median of 9 steps moved v by 0.2 between neighbouring gammas here.
-      ms = statistics.median(self._timed_step_ms(self._target_fn, self._target_cache, self.params,
-                                                 gamma + 1, 9) for _ in range(3))
-      costs[gamma] = ms / self.step_ms["target"]
+
+@dataclasses.dataclass
+class Setup:
+  """What every point shares: the target, the drafters by name and the prompts by task."""
+  target: loading.LoadedModel
+  drafters: dict
+  prompts: dict[str, list[Prompt]]
+  spec: SweepSpec
+  decode: run.DecodeSpec
+  rng: jax.Array
+
+  @classmethod
+  def build(cls, target: loading.LoadedModel, spec: SweepSpec, decode: run.DecodeSpec, seed: int,
+            style: str, mesh=None) -> "Setup":
+    needs_text = any(drafters.needs_text(name) for name in spec.drafters)
+    sequences = (data.train_sequences(target.tokenizer, target.encoder_decoder, style)
+                 if needs_text else None)
+    mesh = mesh if mesh is not None and mesh.size > 1 else None
+    made = {name: drafters.make_drafter(name, target.config, target.params, sequences, mesh=mesh)
+            for name in spec.drafters}
+    prompts = {task: heldout_prompts(target, task, spec.prompts_per_task, style)
+               for task in spec.tasks}
+    return cls(target, made, prompts, spec, decode, jax.random.PRNGKey(seed))
+
+  def cache_length(self, prompt: Prompt) -> int:
+    """Slots a probe's cache needs after `prompt`: room for the longest verification."""
+    return prompt[0].shape[1] + self.decode.max_new_tokens + max(self.spec.all_gammas()) + 2
+
+
+class StepCosts:
+  """Median step times on this hardware, batch 1: the target's and each drafter's single step (for
+  c) and the target scoring gamma + 1 tokens (v_gamma, in one-token target steps)."""
+
+  def __init__(self, setup: Setup):
+    self.setup = setup
+    self.probe_prompt = next(iter(setup.prompts.values()))[0]
+    self.target_fn = metrics.target_step(setup.target.model)
+    self.target_probe = ModelDrafter(setup.target.model)  # only for its prefilled cache and context
+    self.step_ms = {"target": self._timed(self.target_fn, self.target_probe, setup.target.params,
+                                          1, 15)}
+    for name, (drafter, draft_params) in setup.drafters.items():
+      self.step_ms[name] = self._timed(metrics.draft_step(drafter), drafter, draft_params, 1, 15)
+    logging.info("step ms: %s", {k: round(v, 2) for k, v in self.step_ms.items()})
+    # Median of 3 medians: one median of 9 steps moved v by 0.2 between neighbouring gammas here.
+    self.verify_cost = {
+        gamma: statistics.median(self._timed(self.target_fn, self.target_probe, setup.target.params,
+                                             gamma + 1, 9) for _ in range(3)) / self.step_ms["target"]
+        for gamma in setup.spec.all_gammas()}
     logging.info("verification cost v_gamma (target steps): %s",
-                 {k: round(v, 2) for k, v in costs.items()})
-    return costs
+                 {k: round(v, 2) for k, v in self.verify_cost.items()})
 
-  def prefill_seconds(self, task, drafter_name):
-    """Time before the first token (target prefill, + the drafter's init) on the task's shape, with
-    caches sized for the largest gamma (one compile per task and drafter)."""
-    key = (task, drafter_name)
-    if key not in self._prefill_s:
-      drafter, draft_params = (None, None) if drafter_name is None else self.drafters[drafter_name]
-      prompt = self.prompts[task][0]
-      length = prompt[0].shape[1] + self.max_new + max(self.spec.gammas) + 2
-      self._prefill_s[key] = measure.prefill_seconds(self.target_step, self.target_init, drafter,
-                                                     self.params, draft_params, prompt, length, 5)
-    return self._prefill_s[key]
+  def _timed(self, step_fn, drafter, params, width: int, repeats: int) -> float:
+    """ms of one jitted step on `width` tokens after the first task's first prompt."""
+    tokens, lengths, source = self.probe_prompt
+    state = jax.jit(drafter.init, static_argnums=3)(params, tokens, lengths,
+                                                    self.setup.cache_length(self.probe_prompt),
+                                                    source)
+    return 1000 * metrics.step_seconds(step_fn, params, state,
+                                       *metrics.one_token((tokens, lengths), width), repeats)
 
-  def _program(self, key, build):
+  def c(self, drafter_name: str) -> float:
+    return self.step_ms[drafter_name] / self.step_ms["target"]
+
+
+class Programs:
+  """Compiled baseline / speculative programs by key, which of them have run once (a program's first
+  run is slower, so it gets an untimed warm-up), and prefill times by (task, drafter)."""
+
+  def __init__(self, setup: Setup):
+    self.setup = setup
+    self._compiled, self._warm, self._prefill_s = {}, set(), {}
+
+  def get(self, key, build):
     if key not in self._compiled:
       self._compiled[key] = build()
     return self._compiled[key]
 
-  def baseline(self, task, temperature):
-    shape = autoregressive.DecodeShape(self.max_new, self.top_k, self.tok.eos_id, self.tok.pad_id)
-    generate = self._program(("base", task), lambda: autoregressive.make_generate(
-        self.target_step, self.target_init, shape))
-    run = lambda tokens, lengths: jax.block_until_ready(generate(
-        self.params, tokens, lengths, self.rng, jnp.float32(temperature), jnp.float32(self.top_p)))
-    return self._timed(("base", task), task, run)
+  def timed(self, key, task: str, run_one):
+    """(seconds, tokens emitted, outputs) over the task's prompts."""
+    warmup = 0 if key in self._warm else 1
+    self._warm.add(key)
+    seconds, _, outs = metrics.time_passes(run_one, self.setup.prompts[task],
+                                           self.setup.spec.repeats, warmup)
+    return seconds, sum(int(np.asarray(o.num_generated).sum()) for o in outs), outs
 
-  def speculative(self, task, drafter_name, gamma, temperature, lenience):
-    drafter, draft_params = self.drafters[drafter_name]
-    shape = speculative.SpecShape(gamma, self.max_new, self.top_k, self.tok.eos_id, self.tok.pad_id)
-    decode = self._program(("spec", task, drafter_name, gamma), lambda: speculative.make_speculative_decode(
-        self.target_step, self.target_init, drafter, shape))
-    run = lambda tokens, lengths: jax.block_until_ready(decode(
-        self.params, draft_params, tokens, lengths, self.rng, temperature, self.top_p, lenience))
-    return self._timed(("spec", task, drafter_name, gamma), task, run)
+  def prefill_seconds(self, task: str, drafter_name: str | None) -> float:
+    """Time before the first token (target prefill, + the drafter's init) on the task's shape."""
+    key = (task, drafter_name)
+    if key not in self._prefill_s:
+      drafter, draft_params = (None, None) if drafter_name is None else self.setup.drafters[
+          drafter_name]
+      tokens, lengths, source = prompt = self.setup.prompts[task][0]
+      self._prefill_s[key] = metrics.prefill_seconds(
+          self.setup.target.model, drafter, self.setup.target.params, draft_params,
+          (tokens, lengths), self.setup.cache_length(prompt), 5, source)
+    return self._prefill_s[key]
 
-  def _timed(self, program, task, run):
-    """(seconds, tokens emitted, outputs) over the task's prompts; a program's first use gets one
-    untimed warm-up run (compilation happens there too)."""
-    warmup = 0 if program in self._warm else 1
-    self._warm.add(program)
-    seconds, _, outputs = measure.time_passes(run, self.prompts[task], self.spec.repeats, warmup)
-    return seconds, sum(int(np.asarray(o.num_generated).sum()) for o in outputs), outputs
+  def baseline(self, task: str, temperature: float):
+    setup, decode = self.setup, self.setup.decode
+    tok = setup.target.tokenizer
+    generate = self.get(("base", task), lambda: autoregressive.make_generate(
+        setup.target.model, autoregressive.DecodeShape(decode.max_new_tokens, decode.top_k,
+                                                       tok.eos_id, tok.pad_id)))
+    run_one = lambda tokens, lengths, source: jax.block_until_ready(generate(
+        setup.target.params, tokens, lengths, setup.rng, jnp.float32(temperature),
+        jnp.float32(decode.top_p), source))
+    return self.timed(("base", task), task, run_one)
 
-  def measure_point(self, point: dict) -> dict:
-    task, name, gamma = point["task"], point["drafter"], point["gamma"]
-    temperature, lenience = point["temperature"], point["lenience"]
-    base_s, base_tokens, base_out = self.baseline(task, temperature)
-    spec_s, spec_tokens, spec_out = self.speculative(task, name, gamma, temperature, lenience)
-    prompts = len(self.prompts[task])
-    # Decode time: the first token of every prompt comes from the prefill, which is timed apart.
-    base_decode = (base_s - prompts * self.prefill_seconds(task, None)) / max(
-        base_tokens - prompts, 1)
-    spec_decode = (spec_s - prompts * self.prefill_seconds(task, name)) / max(
-        spec_tokens - prompts, 1)
-    base_ms, spec_ms = 1000 * base_s / max(base_tokens, 1), 1000 * spec_s / max(spec_tokens, 1)
-    summary = measure.summarize_outputs(spec_out)
-    c = self.step_ms[name] / self.step_ms["target"]
-    alpha = summary["alpha_estimate"]
-    verify_cost = self.verify_cost[gamma]
-    match = None
-    if temperature == 0.0 and lenience == 1.0:
-      match = all(np.array_equal(np.asarray(b.tokens), np.asarray(s.tokens))
-                  for b, s in zip(base_out, spec_out))
-    return {
-        "target": "smollm2-135m" if self.config == decoder_only.SIZES["smollm2-135m"] else "custom",
-        "top_k": self.top_k, "top_p": self.top_p, "alpha": alpha,
-        "acceptance_rate": summary["empirical_alpha"],
-        "tokens_per_target_call": summary["tokens_per_target_call"],
-        "per_position_acceptance": summary["per_position_acceptance"],
-        "acceptance_histogram": summary["acceptance_histogram"],
-        "baseline_ms_per_token": base_ms, "speculative_ms_per_token": spec_ms,
-        "speedup": base_ms / spec_ms, "baseline_decode_ms_per_token": 1000 * base_decode,
-        "speculative_decode_ms_per_token": 1000 * spec_decode,
-        "decode_speedup": base_decode / spec_decode, "target_step_ms": self.step_ms["target"],
-        "draft_step_ms": self.step_ms[name], "c": c,
-        "predicted_speedup": float(theory.walltime_improvement(alpha, gamma, c)),
-        "verify_cost": verify_cost,
-        "predicted_speedup_with_verify_cost": float(
-            theory.speedup_with_verify_cost(alpha, gamma, c, verify_cost)),
-        "verify_costs": {str(g): v for g, v in self.verify_cost.items()},
-        "outputs_match_baseline": match, "prompts": len(self.prompts[task]),
-        "new_tokens": summary["tokens"], "ms_per_128_tokens": 128 * spec_ms,
-    }
+  def speculative(self, task: str, drafter_name: str, gamma: int, temperature: float,
+                  lenience: float):
+    setup, decode = self.setup, self.setup.decode
+    tok = setup.target.tokenizer
+    drafter, draft_params = setup.drafters[drafter_name]
+    config = speculative.SpecConfig(gamma, decode.max_new_tokens, decode.top_k, tok.eos_id,
+                                    tok.pad_id)
+    key = ("spec", task, drafter_name, gamma)
+    decode_fn = self.get(key, lambda: speculative.make_speculative_decode(setup.target.model,
+                                                                          drafter, config))
+    run_one = lambda tokens, lengths, source: jax.block_until_ready(decode_fn(
+        setup.target.params, draft_params, tokens, lengths, setup.rng, temperature, decode.top_p,
+        lenience, source))
+    return self.timed(key, task, run_one)
 
 
-def run_speculative_sweep(output_dir, config, params, tokenizer, spec: SweepSpec, *, max_new_tokens,
-                          top_k, top_p, seed, fingerprint: dict, style="chat") -> list[dict]:
-  """Measure every point of `spec` into output_dir/results.jsonl (resumable), then write the tables
-  and plots next to it. Returns the rows."""
-  from experiments import plots, tables  # pylint: disable=import-outside-toplevel
-  points = spec.points()
+def size_name(config) -> str:
+  """The named size a config equals (decoder_only / t5 SIZES), else "custom"."""
+  for name, size in {**decoder_only.SIZES, **t5.SIZES}.items():
+    if size == config:
+      return name
+  return "custom"
+
+
+def measure_point(setup: Setup, costs: StepCosts, programs: Programs, point: dict) -> dict:
+  """Time baseline and speculative decoding of one point side by side; -> its measured row."""
+  task, name, gamma = point["task"], point["drafter"], point["gamma"]
+  temperature, lenience = point["temperature"], point["lenience"]
+  base_s, base_tokens, base_out = programs.baseline(task, temperature)
+  spec_s, spec_tokens, spec_out = programs.speculative(task, name, gamma, temperature, lenience)
+  prompts = len(setup.prompts[task])
+  # Decode time: the first token of every prompt comes from the prefill, which is timed apart.
+  base_decode = (base_s - prompts * programs.prefill_seconds(task, None)) / max(
+      base_tokens - prompts, 1)
+  spec_decode = (spec_s - prompts * programs.prefill_seconds(task, name)) / max(
+      spec_tokens - prompts, 1)
+  base_ms, spec_ms = 1000 * base_s / max(base_tokens, 1), 1000 * spec_s / max(spec_tokens, 1)
+  summary = metrics.summarize_outputs(spec_out)
+  c, alpha, verify_cost = costs.c(name), summary["alpha_estimate"], costs.verify_cost[gamma]
+  match = None
+  if temperature == 0.0 and lenience == 1.0:
+    match = all(np.array_equal(np.asarray(b.tokens), np.asarray(s.tokens))
+                for b, s in zip(base_out, spec_out))
+  decode = setup.decode
+  return {
+      "target": size_name(setup.target.config), "top_k": decode.top_k, "top_p": decode.top_p,
+      "alpha": alpha, "acceptance_rate": summary["empirical_alpha"],
+      "tokens_per_target_call": summary["tokens_per_target_call"],
+      "per_position_acceptance": summary["per_position_acceptance"],
+      "acceptance_histogram": summary["acceptance_histogram"],
+      "baseline_ms_per_token": base_ms, "speculative_ms_per_token": spec_ms,
+      "speedup": base_ms / spec_ms, "baseline_decode_ms_per_token": 1000 * base_decode,
+      "speculative_decode_ms_per_token": 1000 * spec_decode,
+      "decode_speedup": base_decode / spec_decode, "target_step_ms": costs.step_ms["target"],
+      "draft_step_ms": costs.step_ms[name], "c": c,
+      "predicted_speedup": float(theory.walltime_improvement(alpha, gamma, c)),
+      "verify_cost": verify_cost,
+      "predicted_speedup_with_verify_cost": float(
+          theory.speedup_with_verify_cost(alpha, gamma, c, verify_cost)),
+      "verify_costs": {str(g): v for g, v in costs.verify_cost.items()},
+      "outputs_match_baseline": match, "prompts": prompts,
+      "new_tokens": summary["tokens"], "ms_per_128_tokens": 128 * spec_ms,
+  }
+
+
+@gin.configurable
+def sweep(output_dir: str = "out/smollm2_default", target: run.ModelSpec = run.ModelSpec(),
+          prompts: run.PromptSpec = run.PromptSpec(), decode: run.DecodeSpec = run.DecodeSpec(),
+          grid: SweepSpec = SweepSpec(), mesh_shape: tuple = (1, 1), seed: int = 0) -> list[dict]:
+  """Measure every point of `grid` into output_dir/results.jsonl (resumable), then write the papers'
+  tables and plots next to it. `prompts` sets the prompt style; `decode` the new-token budget and
+  top-k / top-p. Returns the rows."""
+  points = grid.points()  # validates the grid before anything is loaded or written
+  spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),
+          "decode": dataclasses.asdict(decode), "mesh_shape": list(mesh_shape), "seed": seed,
+          "sweep": dataclasses.asdict(grid)}
+  output_dir = outputs.prepare_output_dir(output_dir, spec, gin.config_str())
+  loaded, mesh = run.load_target(target, mesh_shape)
   bench = []  # built on the first point to measure, so a rerun of a finished sweep costs nothing
 
-  def measure_point(point):
+  def measure(point):
     if not bench:
       start = time.perf_counter()
-      bench.append(_Bench(config, params, tokenizer, spec, max_new_tokens, top_k, top_p, seed, style))
+      setup = Setup.build(loaded, grid, decode, seed, prompts.style, mesh)
+      bench.extend([setup, StepCosts(setup), Programs(setup)])
       logging.info("sweep of %d points; setup %.0fs", len(points), time.perf_counter() - start)
-    return bench[0].measure_point(point)
+    return measure_point(*bench, point)
 
-  rows = sweep.run_sweep(points, measure_point, f"{output_dir}/results.jsonl", desc="sweep",
-                         config=fingerprint)
+  rows = resumable.run_sweep(points, measure, output_dir / "results.jsonl", desc="sweep", config=spec)
   if jax.process_index() == 0:
     tables.write_all(rows, output_dir)
     plots.plot_all(rows, output_dir)
+  logging.info("sweep done: %d rows in %s", len(rows), output_dir)
   return rows

@@ -22,11 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from experiments import sweep
-
-try:  # one source of truth for Thm 3.8 when the library is importable
-  from specjax.theory import walltime_improvement as _walltime_improvement
-except ImportError:  # pragma: no cover - tables stay usable on a machine without specjax
-  _walltime_improvement = None
+from specjax import theory
 
 PAPER_LABEL = "paper (different model, task and hardware)"
 MISSING = "—"
@@ -98,11 +94,8 @@ CHEN_TASK = {"news": "XSum", "xsum": "XSum", "humaneval": "HumanEval"}
 
 
 def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
-  """Leviathan Thm 3.8: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))."""
-  if _walltime_improvement is not None:
-    return float(_walltime_improvement(alpha, gamma, c))
-  tokens = gamma + 1.0 if abs(1.0 - alpha) < 1e-9 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-  return tokens / (gamma * c + 1.0)
+  """Leviathan Thm 3.8 (specjax.theory.walltime_improvement) as a float."""
+  return float(theory.walltime_improvement(alpha, gamma, c))
 
 
 # Row helpers.
@@ -200,18 +193,16 @@ def _predicted_with_v(row: dict) -> float | None:
   return num(row, "predicted_speedup_with_verify_cost")
 
 
-def _verify_gamma(rows: list[dict], alpha: float | None, c: float | None) -> tuple[int | None, float | None]:
+def _verify_gamma(rows: list[dict], alpha: float | None,
+                  c: float | None) -> tuple[int | None, float | None]:
   """The gamma, among those the rows tried, maximising Thm 3.8 with the measured verification costs
   (rows' `verify_costs`), and that predicted speedup."""
   costs = next((r["verify_costs"] for r in rows if r.get("verify_costs")), None)
   if not costs or alpha is None or c is None:
     return None, None
-  if _walltime_improvement is None:  # pragma: no cover
-    return None, None
-  from specjax.theory import speedup_with_verify_cost  # pylint: disable=import-outside-toplevel
   tried = {gamma_of(r) for r in rows}  # pick among the gammas measured, so the pick can be checked
-  gains = {int(g): float(speedup_with_verify_cost(alpha, int(g), c, v)) for g, v in costs.items()
-           if int(g) in tried}
+  gains = {int(g): float(theory.speedup_with_verify_cost(alpha, int(g), c, v))
+           for g, v in costs.items() if int(g) in tried}
   if not gains:
     return None, None
   best = max(gains, key=lambda g: (gains[g], -g))
