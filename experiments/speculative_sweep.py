@@ -54,7 +54,18 @@ class SweepSpec:
   repeats: int = 1
 
   def points(self) -> list[dict]:
-    """Every point of the grid, validated before anything is measured."""
+    """Every point of the grid, validated before anything is loaded, written or measured: values,
+    counts, prompt set names and drafter names (a model drafter's checkpoint must exist)."""
+    for name, value in (("prompts_per_task", self.prompts_per_task), ("repeats", self.repeats)):
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"SweepSpec.{name} = {value!r}: it counts {name.split('_')[0]} and must be "
+                         "an integer >= 1")
+    if not self.tasks or not self.drafters:
+      raise ValueError("SweepSpec.tasks and SweepSpec.drafters need at least one entry each")
+    for task in self.tasks:
+      data.check_prompt_set_name(task)
+    for name in self.drafters:
+      drafters.draft_checkpoint(name)
     gammas = resumable.validate_gammas(self.gammas)
     for value in (*self.temperatures, *self.leniences):
       float(value)  # a non-number fails here, with its value in the message
@@ -273,8 +284,8 @@ def sweep(output_dir: str = "out/smollm2_default", target: run.ModelSpec = run.M
   points = grid.points()  # validates the grid before anything is loaded or written
   spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),
           "decode": dataclasses.asdict(decode), "mesh_shape": list(mesh_shape), "seed": seed,
-          "sweep": dataclasses.asdict(grid)}
-  output_dir = outputs.prepare_output_dir(output_dir, spec, gin.config_str())
+          "sweep": dataclasses.asdict(grid),
+          "content_keys": run.content_keys(target, grid.drafters)}
   loaded, mesh = run.load_target(target, mesh_shape)
   bench = []  # built on the first point to measure, so a rerun of a finished sweep costs nothing
 
@@ -286,9 +297,11 @@ def sweep(output_dir: str = "out/smollm2_default", target: run.ModelSpec = run.M
       logging.info("sweep of %d points; setup %.0fs", len(points), time.perf_counter() - start)
     return measure_point(*bench, point)
 
-  rows = resumable.run_sweep(points, measure, output_dir / "results.jsonl", desc="sweep", config=spec)
-  if jax.process_index() == 0:
-    tables.write_all(rows, output_dir)
-    plots.plot_all(rows, output_dir)
+  with outputs.RunDirectory(output_dir, spec, "results.jsonl", "sweep_fingerprint",
+                            gin.config_str()) as run_dir:
+    rows = resumable.run_sweep(points, measure, run_dir.results, desc="sweep", config=spec)
+    if jax.process_index() == 0:
+      tables.write_all(rows, run_dir.path)
+      plots.plot_all(rows, run_dir.path)
   logging.info("sweep done: %d rows in %s", len(rows), output_dir)
   return rows

@@ -3,7 +3,7 @@
 Contract: a sweep killed at any moment loses at most the point in flight and never duplicates a row.
 The rows go through `specjax.outputs.RowsFile`, the writer every specjax run uses (one line per row,
 flushed and fsynced; a torn tail cut and redone; rows of another config refused; one writer at a time).
-On top of it, points are keyed by `point_id`, a hash of the point's parameters, and a point whose id is
+On top of it, points are keyed by `point_id` (unique in the file), a hash of the point's parameters, and a point whose id is
 already in the file is skipped; every row carries `sweep_fingerprint`, a hash of the sweep's config
 (target, prompts, seeds, ...).
 
@@ -114,13 +114,9 @@ def run_sweep(points: Iterable[Mapping[str, Any]],
   if gammas:
     validate_gammas(gammas)
   ids = [point_id(p) for p in points]
-  with outputs.RowsFile(out_path, sweep_fingerprint(config), "sweep_fingerprint") as results:
-    done: dict[str, dict] = {}
-    for row in results.existing:
-      if row.get("point_id") in done:
-        raise ValueError(f"{results.path}: point_id {row['point_id']} appears twice; the file was not "
-                         f"written by a single run_sweep. Deduplicate or move it.")
-      done[row.get("point_id")] = row
+  with outputs.RowsFile(out_path, sweep_fingerprint(config), "sweep_fingerprint",
+                        unique_key="point_id") as results:
+    done: dict[str, dict] = {row.get("point_id"): row for row in results.existing}
 
     todo = [(pid, p) for pid, p in dict(zip(ids, points)).items() if pid not in done]
     bar = tqdm.tqdm(total=len(set(ids)), initial=len(set(ids)) - len(todo), desc=desc, unit="point",

@@ -241,7 +241,19 @@ def _items(name: str) -> list[tuple[str, str, str | None]]:
     return [(key, article, None) for key, article in lee_articles()]
   if name == "ende":
     return [(english, english, german) for english, german in django_de_pairs()]
-  raise ValueError(f"unknown prompt set {name!r}; known: {sorted(DESCRIPTIONS)}")
+  check_prompt_set_name(name)  # raises for an unknown name
+  raise NotImplementedError(f"prompt set {name!r} is described but has no loader")
+
+
+def check_prompt_set_name(name: str) -> None:
+  """Raise ValueError naming the known sets unless `name` is one, or an existing prompts .jsonl."""
+  if name.endswith(".jsonl"):
+    if not pathlib.Path(name).is_file():
+      raise FileNotFoundError(f"no prompts file {name}; a .jsonl prompt set is one JSON object per "
+                              'line with "id" and "text"')
+  elif name not in DESCRIPTIONS:
+    raise ValueError(f"unknown prompt set {name!r}; known: {sorted(DESCRIPTIONS)}, or a path to a "
+                     "prompts .jsonl file")
 
 
 def load_prompt_set(name: str, split: str = "all", limit: int | None = None,

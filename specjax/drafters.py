@@ -350,6 +350,25 @@ def needs_text(name: str) -> bool:
   return name.removeprefix("lookup+") in TABLE_DRAFTERS
 
 
+def draft_checkpoint(name: str) -> str | None:
+  """The checkpoint a drafter name reads (`model:<path>`, behind any `lookup+`), else None. Checks
+  the name without loading anything, so a sweep refuses a typo before it writes a file."""
+  inner = name
+  while inner.startswith("lookup+"):
+    inner = inner[len("lookup+"):]
+  if inner in TABLE_DRAFTERS or (inner.startswith("layers") and inner[6:].isdigit()):
+    return None
+  if inner.startswith("model:") and inner[len("model:"):]:
+    path = inner[len("model:"):]
+    if "://" not in path and not pathlib.Path(path).exists():
+      raise FileNotFoundError(
+          f"no draft checkpoint at {path}; train one first (python -m specjax.train_draft "
+          f"--gin_file=configs/smollm2_draft.gin writes out/smollm2_draft/hf; scripts/main.sh runs it)")
+    return path
+  raise ValueError(f"unknown drafter {name!r}: use unigram, bigram, lookup, layers{{k}} (layers2), "
+                   "lookup+<another drafter> or model:<checkpoint path>")
+
+
 def make_drafter(name: str, target_config, target_params=None,
                  sequences: Sequence[Sequence[int]] | None = None, *, bigram_top_k: int = 64,
                  bigram_concentration: float = 1.0, lookup_ngram: int = 3,
@@ -367,6 +386,7 @@ def make_drafter(name: str, target_config, target_params=None,
   on it by the same rules and its activations laid out likewise (Chen et al.: one mesh for both).
   """
   vocab_size = target_config.vocab_size
+  path = draft_checkpoint(name)  # the name checked (and a model path found) before any work
   if name.startswith("lookup+"):
     inner, inner_params = make_drafter(
         name[len("lookup+"):], target_config, target_params, sequences, bigram_top_k=bigram_top_k,
@@ -384,11 +404,6 @@ def make_drafter(name: str, target_config, target_params=None,
     made = (PromptLookupDrafter(vocab_size, max_ngram=lookup_ngram),
             unigram_table(sequences, vocab_size))
   elif name.startswith("model:"):
-    path = name[len("model:"):]
-    if "://" not in path and not pathlib.Path(path).exists():
-      raise FileNotFoundError(
-          f"no draft checkpoint at {path}; train one first (python -m specjax.train_draft "
-          f"--gin_file=configs/smollm2_draft.gin writes out/smollm2_draft/hf; scripts/main.sh runs it)")
     draft_config, draft_params = checkpoints.load(path)
     if draft_config.vocab_size != vocab_size:
       raise ValueError(f"vocabulary sizes differ: the target has {vocab_size} tokens, the draft "
@@ -401,9 +416,6 @@ def make_drafter(name: str, target_config, target_params=None,
     draft_config, draft_params = decoder_only.truncate_layers(target_config, target_params,
                                                               int(name[6:]))
     return _model_draft(draft_config, draft_params, mesh)
-  else:
-    raise ValueError(f"unknown drafter {name!r}: use unigram, bigram, lookup, layers{{k}} (layers2), "
-                     "lookup+<another drafter> or model:<checkpoint path>")
   # On the device once: host (numpy) tables would be copied in on every call of a timed step.
   return made[0], jax.device_put(made[1])
 

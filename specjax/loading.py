@@ -64,18 +64,24 @@ class LoadedModel:
                  contracts.Source(tokens, lengths))
 
 
+def checkpoint_path(checkpoint: str):
+  """Where a checkpoint name points: the embedded GGUF's file, a URL as is, or an existing local
+  path (FileNotFoundError with the fix otherwise). Cheap: runs check it before writing anything."""
+  if checkpoint == EMBEDDED_SMOLLM2:
+    return assets.smollm2_gguf_path()
+  if "://" in checkpoint:
+    return checkpoint
+  path = pathlib.Path(checkpoint).expanduser()
+  if not path.exists():
+    raise FileNotFoundError(f"checkpoint {checkpoint!r} does not exist; point the model spec at a "
+                            f".gguf file, a Hugging Face model directory or a T5X checkpoint, or "
+                            f"use {EMBEDDED_SMOLLM2!r}")
+  return path
+
+
 def load_model(checkpoint: str = EMBEDDED_SMOLLM2, vocabulary: str | None = None) -> LoadedModel:
   """Read a checkpoint of either family with its tokenizer (see the module docstring)."""
-  if checkpoint == EMBEDDED_SMOLLM2:
-    path = assets.smollm2_gguf_path()
-  elif "://" in checkpoint:
-    path = checkpoint
-  else:
-    path = pathlib.Path(checkpoint).expanduser()
-    if not path.exists():
-      raise FileNotFoundError(f"checkpoint {checkpoint!r} does not exist; point the model spec at a "
-                              f".gguf file, a Hugging Face model directory or a T5X checkpoint, or "
-                              f"use {EMBEDDED_SMOLLM2!r}")
+  path = checkpoint_path(checkpoint)
   config, params = checkpoints.load(path)
   tokenizer = load_tokenizer(path, config, vocabulary)
   if tokenizer.vocab_size > config.vocab_size:

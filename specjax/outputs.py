@@ -4,11 +4,17 @@ A run's directory holds what it was asked (`spec.json`, the resolved dataclasses
 `environment.json` it ran in) and what it produced, one JSON row per finished item in a JSONL file.
 The rules every writer here keeps:
 
-  * a directory holding another spec's results is refused, never mixed (`prepare_output_dir`);
+  * one run at a time per directory (`RunDirectory` holds an exclusive lock for the whole run:
+    generation, sweep or training);
+  * a directory is judged by its results, not by metadata: rows of another config are refused before
+    anything is written, naming what differs (a model whose weights changed shows as its content
+    key) and how to recover; a directory without results takes the new spec (a failed start leaves
+    nothing that blocks the corrected rerun);
   * each finished row is appended as ONE line in a single write, then flushed and fsynced, so the file on
     disk is always "complete rows + at most one torn tail";
-  * on open a torn last line (not valid JSON, or valid but missing its newline) is cut off and its item
-    is done again; an invalid line in the middle is refused (a kill cannot produce it);
+  * on open a torn last line (not valid JSON, or valid but missing its newline) is cut off, saved to
+    `<file>.torn` and logged, and its item is done again; an invalid line in the middle is refused
+    (a kill cannot produce it), and so is a key that appears twice;
   * every row carries the fingerprint of its config; a file with rows of another fingerprint is refused;
   * an exclusive lock on `<file>.lock` refuses a second writer (the OS drops it when the holder dies,
     even by SIGKILL).
@@ -30,6 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import jax
+from absl import logging
 
 # 16 hex digits = 64 bits: collisions among a few thousand items are out of reach, ids stay readable.
 _ID_HEX = 16
@@ -94,31 +101,108 @@ def without_none(value: Any) -> Any:
   return value
 
 
-def check_spec(output_dir: str | os.PathLike, spec: dict) -> dict:
-  """Refuse a directory whose spec.json holds another spec; return `spec` as JSON would reread it."""
-  spec_path = Path(output_dir) / SPEC_FILE
-  spec = json.loads(json.dumps(spec))  # tuples -> lists, as a reread spec.json has them
-  if spec_path.exists() and without_none(json.loads(spec_path.read_text())) != without_none(spec):
-    raise ValueError(f"{output_dir} holds results of a different config (see its spec.json); choose "
-                     "another output_dir or delete that one: results of two configs are never mixed")
-  return spec
+def _read_spec(spec_path: Path) -> dict | None:
+  if not spec_path.exists():
+    return None
+  try:
+    return json.loads(spec_path.read_text())
+  except ValueError as error:
+    raise ValueError(f"{spec_path} is not valid JSON ({error}); the config that wrote this directory "
+                     f"is in {spec_path.with_name('config.gin')}. Delete {spec_path.name} to have it "
+                     "rewritten: the results are checked by their own fingerprints") from None
 
 
-def prepare_output_dir(output_dir: str | os.PathLike, spec: dict, config_text: str | None = None
-                       ) -> Path:
-  """Create `output_dir` for `spec` (the run's resolved dataclasses as a dict) and write spec.json,
-  environment.json and, when given, config.gin (`config_text`). A directory whose spec.json holds
-  another spec is refused before anything is written."""
-  output_dir = Path(output_dir)
-  spec = check_spec(output_dir, spec)
-  output_dir.mkdir(parents=True, exist_ok=True)
-  spec_path = output_dir / SPEC_FILE
-  if jax.process_index() == 0:
-    spec_path.write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
-    (output_dir / "environment.json").write_text(json.dumps(environment(), indent=2) + "\n")
-    if config_text is not None:
-      (output_dir / "config.gin").write_text(config_text)
-  return output_dir
+def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+  """Where two specs differ, as 'field: old -> new' lines (nested fields dotted); a changed content
+  key reads as a model whose weights changed."""
+  if isinstance(old, dict) and isinstance(new, dict):
+    out = []
+    for key in sorted(set(old) | set(new)):
+      out += differences(old.get(key), new.get(key), f"{prefix}{key}.")
+    return out
+  if canonical(old) == canonical(new):
+    return []
+  field = prefix[:-1]
+  if field.startswith("content_keys."):
+    return [f"the weights of {field[len('content_keys.'):]!r} changed (content key {old} -> {new})"]
+  return [f"{field}: {json.dumps(old)} -> {json.dumps(new)}"]
+
+
+class RunDirectory:
+  """A run's output directory, held exclusively while the run lasts.
+
+      with RunDirectory(output_dir, spec, results="results.jsonl", fingerprint_key=...) as run_dir:
+        with RowsFile(run_dir.results, run_dir.fingerprint, ...) as rows: ...
+
+  On entry, before anything is written: an output path that is a file is refused; a second run on the
+  directory is refused (lock); rows of another config in `results` are refused with what differs
+  (from spec.json when it belongs to those rows) and the two ways out. Then spec.json,
+  environment.json and config.gin are (re)written: a directory whose results are all this spec's, or
+  that has none, takes this spec, whatever metadata a failed start or a deleted spec.json left.
+  `other_results`: more paths that count as results (training checkpoints): when they exist and no
+  rows decide, spec.json must equal this spec.
+  """
+
+  def __init__(self, output_dir: str | os.PathLike, spec: dict, results: str, fingerprint_key: str,
+               config_text: str | None = None, other_results: tuple = ()):
+    self.path = Path(output_dir)
+    self.spec = json.loads(json.dumps(spec))  # tuples -> lists, as a reread spec.json has them
+    self.fingerprint = digest(without_none(self.spec))
+    self.results = self.path / results
+    self.fingerprint_key = fingerprint_key
+    self.config_text = config_text
+    self.other_results = [self.path / name for name in other_results]
+    self._stack = contextlib.ExitStack()
+
+  def __enter__(self) -> "RunDirectory":
+    if self.path.exists() and not self.path.is_dir():
+      raise NotADirectoryError(f"output_dir {self.path} is a file, not a directory; give the run a "
+                               "directory path (it is created if missing)")
+    self.path.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() != 0:  # process 0 alone checks and writes (its rows decide)
+      return self
+    self._stack.enter_context(_exclusive(self.path / ".run", what=f"the output directory {self.path}"))
+    try:
+      self._check()
+      (self.path / SPEC_FILE).write_text(json.dumps(self.spec, indent=2, sort_keys=True) + "\n")
+      (self.path / "environment.json").write_text(json.dumps(environment(), indent=2) + "\n")
+      if self.config_text is not None:
+        (self.path / "config.gin").write_text(self.config_text)
+    except BaseException:
+      self._stack.close()
+      raise
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self._stack.close()
+
+  def _check(self) -> None:
+    spec_path = self.path / SPEC_FILE
+    stored = _read_spec(spec_path)
+    rows = read_rows(self.results)
+    others = sorted({str(r.get(self.fingerprint_key)) for r in rows} - {self.fingerprint})
+    if others:
+      if stored is not None and digest(without_none(stored)) in others:
+        what = "its spec.json says they differ from this run in:\n  " + "\n  ".join(
+            differences(without_none(stored), without_none(self.spec)))
+      else:
+        what = (f"{spec_path.name} is {'missing' if stored is None else 'not theirs either'}, so "
+                f"which config wrote them is known only by their fingerprint {', '.join(others)} "
+                f"(config.gin may still say)")
+      raise ValueError(f"{self.results} holds {len(rows)} rows of another config "
+                       f"({self.fingerprint_key} {', '.join(others)}; this run's is "
+                       f"{self.fingerprint}); {what}.\nNothing was written. To resume them, rerun "
+                       f"with the config that wrote them; to run this config, give it another "
+                       f"output_dir or move {self.results} away.")
+    if rows or stored is None or without_none(stored) == without_none(self.spec):
+      return
+    if any(p.exists() and any(p.iterdir()) for p in self.other_results if p.is_dir()):
+      raise ValueError(f"{self.path} holds results ({', '.join(str(p) for p in self.other_results)}) "
+                       "of a config that differs from this run in:\n  " + "\n  ".join(
+                           differences(without_none(stored), without_none(self.spec))) +
+                       "\nNothing was written. Rerun with the config that wrote them (its "
+                       "config.gin is there), or give this run another output_dir.")
+    logging.info("%s: replacing the spec.json of a run that left no results", self.path)
 
 
 # ---- result rows ------------------------------------------------------------------------------------
@@ -170,10 +254,12 @@ class RowsFile:
         rows.append({"key": ..., ...})            # one line, flushed and fsynced
   """
 
-  def __init__(self, path: str | os.PathLike, fingerprint: str, fingerprint_key: str):
+  def __init__(self, path: str | os.PathLike, fingerprint: str, fingerprint_key: str,
+               unique_key: str | None = None):
     self.path = Path(path)
     self.fingerprint = fingerprint
     self.fingerprint_key = fingerprint_key
+    self.unique_key = unique_key  # a field no two rows share (a prompt's key, a point's id)
     self.existing: list[dict] = []
     self._stack = contextlib.ExitStack()
     self._file = None
@@ -188,8 +274,17 @@ class RowsFile:
         raise ValueError(f"{self.path} holds rows of a different config ({self.fingerprint_key} "
                          f"{', '.join(map(str, others))}; this run's is {self.fingerprint}). Refusing "
                          "to mix results: write to another output path, or move the old file away.")
+      if self.unique_key is not None:
+        seen, twice = set(), set()
+        for row in rows:
+          value = json.dumps(row.get(self.unique_key))
+          (twice if value in seen else seen).add(value)
+        if twice:
+          raise ValueError(f"{self.path}: {self.unique_key} {', '.join(sorted(twice))} appears "
+                           "more than once; one run at a time writes a file, so something else "
+                           "wrote these rows. Deduplicate the file or move it away.")
       if torn_at is not None:
-        _truncate(self.path, torn_at)
+        _cut_torn_tail(self.path, torn_at)
       self.existing = rows
       self._file = self._stack.enter_context(open(self.path, "a", encoding="utf-8"))
     except BaseException:
@@ -209,8 +304,19 @@ class RowsFile:
     return row
 
 
-def _truncate(path: Path, length: int) -> None:
-  """Cuts a torn tail off in place: the complete rows before it keep their bytes."""
+def _cut_torn_tail(path: Path, length: int) -> None:
+  """Cuts a torn tail off in place (the complete rows before it keep their bytes), appending it to
+  `<path>.torn` first so that nothing is deleted unseen."""
+  with open(path, "rb") as f:
+    f.seek(length)
+    tail = f.read()
+  aside = path.with_name(path.name + ".torn")
+  with open(aside, "ab") as f:
+    f.write(tail + b"\n")
+    f.flush()
+    os.fsync(f.fileno())
+  logging.warning("%s: cut a torn last line (%d bytes, the row in flight when a run died; its item "
+                  "is redone) and saved it in %s", path, len(tail), aside)
   with open(path, "r+b") as f:
     f.truncate(length)
     f.flush()
@@ -218,15 +324,15 @@ def _truncate(path: Path, length: int) -> None:
 
 
 @contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
+def _exclusive(path: Path, what: str | None = None) -> Iterator[None]:
   """Holds an exclusive advisory lock on `<path>.lock`; two writers on one file would interleave."""
   lock_path = path.with_name(path.name + ".lock")
   with open(lock_path, "a", encoding="utf-8") as lock:
     try:
       fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-      raise RuntimeError(f"another run is writing {path} (lock {lock_path} is held); wait for it "
-                         f"or give this run another output path") from None
+      raise RuntimeError(f"another run is using {what or path} (lock {lock_path} is held); wait for "
+                         f"it or give this run another output path") from None
     try:
       yield
     finally:

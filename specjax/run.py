@@ -13,16 +13,19 @@ the frozen dataclasses it takes (see configs/smollm2_generate.gin):
 Jobs: `run.generate` (this module: decode a prompt set with the target) and
 `speculative_sweep.sweep` (experiments/: the measured speculative sweep, tables and plots).
 
-`generate` writes into its output directory, before any decoding, config.gin (the parsed config),
-spec.json (the resolved dataclasses) and environment.json; then generations.jsonl, one row per prompt
-written as its batch finishes (specjax.outputs: locked, torn tail repaired), and summary.json. A
-directory that holds results of a different spec is refused, never mixed; rerunning the same spec
-resumes, skipping finished prompts.
+`generate` checks its inputs (prompt set, checkpoint, tokenizer) before it writes anything; then it
+holds its output directory (specjax.outputs.RunDirectory: one run at a time) and writes config.gin
+(the parsed config), spec.json (the resolved dataclasses and the content key of the model) and
+environment.json, then generations.jsonl, one row per prompt written as its batch finishes (one
+writer: locked, torn tail cut and saved aside, duplicate keys refused), and summary.json. A directory
+that holds results of a different spec (weights changed behind the same path included) is refused,
+never mixed; rerunning the same spec resumes, skipping finished prompts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import pathlib
 import statistics
@@ -34,7 +37,8 @@ import numpy as np
 from absl import app, flags, logging
 from tqdm import tqdm
 
-from specjax import autoregressive, data, loading, models, outputs, sampling, sharding
+from specjax import autoregressive, checkpoints, data, drafters, loading, models, outputs, sampling, sharding
+from specjax.checkpoints import t5x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +98,19 @@ def load_target(spec: ModelSpec, mesh_shape: tuple) -> tuple[loading.LoadedModel
   return dataclasses.replace(loaded, params=params, model=model), mesh
 
 
+def content_keys(target: ModelSpec, drafter_names=()) -> dict:
+  """{model: content key} for the target (and its vocabulary file) and every drafter that reads a
+  checkpoint: what a run's results are tied to, beyond the names in its spec."""
+  keys = {"target": checkpoints.content_key(loading.checkpoint_path(target.checkpoint))}
+  if target.vocabulary is not None:
+    keys["target vocabulary"] = hashlib.sha256(t5x.read_file(target.vocabulary)).hexdigest()[:16]
+  for name in drafter_names:
+    path = drafters.draft_checkpoint(name)
+    if path is not None:
+      keys[name] = checkpoints.content_key(loading.checkpoint_path(path))
+  return keys
+
+
 @gin.configurable
 def generate(output_dir: str = "out/smollm2_generate", target: ModelSpec = ModelSpec(),
              prompts: PromptSpec = PromptSpec(), decode: DecodeSpec = DecodeSpec(),
@@ -101,17 +118,20 @@ def generate(output_dir: str = "out/smollm2_generate", target: ModelSpec = Model
   """Decode a prompt set with the target; write one row per prompt, timings and a summary."""
   spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),
           "decode": dataclasses.asdict(decode), "mesh_shape": list(mesh_shape), "seed": seed}
-  output_dir = outputs.prepare_output_dir(output_dir, spec, gin.config_str())
-  loaded, _ = load_target(target, mesh_shape)
+  # Everything that can fail on bad input fails here, before the output directory is touched.
   prompt_set = data.load_prompt_set(prompts.name, prompts.split, prompts.limit, prompts.style)
+  spec["content_keys"] = content_keys(target)
+  loaded, _ = load_target(target, mesh_shape)
   tokenizer = loaded.tokenizer
   shape = autoregressive.DecodeShape(decode.max_new_tokens, decode.top_k, tokenizer.eos_id,
                                      tokenizer.pad_id)
   generate_fn = autoregressive.make_generate(loaded.model, shape)
   rng = jax.random.PRNGKey(seed)
   compiled = {}  # per padded prompt shape: compile ahead of time, outside the timed region
-  with outputs.RowsFile(output_dir / "generations.jsonl", outputs.digest(spec),
-                        "spec_fingerprint") as rows:
+  with outputs.RunDirectory(output_dir, spec, "generations.jsonl", "spec_fingerprint",
+                            gin.config_str()) as run_dir, \
+       outputs.RowsFile(run_dir.results, run_dir.fingerprint, "spec_fingerprint",
+                        unique_key="key") as rows:
     done = {row.get("key") for row in rows.existing}
     todo = [i for i, key in enumerate(prompt_set.keys) if key not in done]
     batches = [todo[i:i + prompts.batch_size] for i in range(0, len(todo), prompts.batch_size)]
@@ -136,7 +156,7 @@ def generate(output_dir: str = "out/smollm2_generate", target: ModelSpec = Model
                   "batch_size": len(batch_index), "target_calls": int(out.target_calls) + 1}
         if jax.process_index() == 0:
           rows.append(record)
-  return _summarize(output_dir)
+    return _summarize(run_dir.path)
 
 
 def _input_lengths(batch: loading.Batch) -> np.ndarray:

@@ -36,12 +36,11 @@ import pathlib
 import re
 from typing import Iterable, Mapping, Sequence
 
-import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from specjax import assets
-from specjax.checkpoints.gguf import metadata
+from specjax.checkpoints.gguf import metadata, open_reader
 
 # llama.cpp's `tokenizer.ggml.pre` -> isolate single digits before the GPT-2 regex? Other names
 # raise rather than tokenize differently from the model's training.
@@ -151,7 +150,7 @@ class Tokenizer:
   @classmethod
   def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
     """Read the `tokenizer.ggml.*` metadata of a GGUF file (tokenizer model 'gpt2' only)."""
-    reader = gguf.GGUFReader(str(path))
+    reader = open_reader(path)
     model = metadata(reader, "tokenizer.ggml.model")
     if model != "gpt2":
       raise ValueError(f"{path}: tokenizer model {model!r} is not supported; from_gguf reads "

@@ -2,7 +2,8 @@
 
     python -m specjax.train_draft --gin_file=configs/smollm2_draft.gin
 
-Stages, each kept in `output_dir` so that nothing computed is lost:
+Stages, each kept in `output_dir` so that nothing computed is lost (the directory is held by one run
+at a time and refused to another spec, the target's weights included, as in specjax/outputs.py):
 
 1. Teacher data (specjax/teacher.py; cached under $SPECJAX_CACHE/teacher, one file per prompt set,
    reused by any rerun with the same target and data spec): the target's greedy and sampled
@@ -13,7 +14,8 @@ Stages, each kept in `output_dir` so that nothing computed is lost:
    keeps speculative sampling exact (the residual covers them) and cuts the 49,152-token head that
    dominates a small model's step.
 3. Training (specjax/training.py; orbax checkpoints in checkpoints/, every `checkpoint_every` steps
-   and at the end, exact resume): forward KL from the target's distribution to the draft's, both
+   and at the end, exact resume from the newest checkpoint that restores; the loss every 10 steps in
+   train_log.jsonl, kept across resumes): forward KL from the target's distribution to the draft's, both
    coarsened to {each teacher top-k token inside the head} + {everything else}.
 4. Export: hf/ holds config.json + model.safetensors (transformers' LlamaForCausalLM loads it) +
    head_tokens.json; `checkpoints.load_decoder(output_dir/hf)` loads it back as a subset-head draft and
@@ -239,17 +241,27 @@ def train(output_dir: str = "out/smollm2_draft", target=None, draft: DraftShape 
   an interrupted one resumes; one holding another spec is refused.
   """
   target = target or run.ModelSpec()
-  output_dir = pathlib.Path(output_dir)
   spec = {"target": dataclasses.asdict(target), "draft": dataclasses.asdict(draft),
           "teacher": dataclasses.asdict(teacher), "training": dataclasses.asdict(training),
-          "init_from": init_from, "seed": seed}
+          "init_from": init_from, "seed": seed, "content_keys": run.content_keys(target)}
+  if init_from:
+    spec["content_keys"]["init_from"] = checkpoints.content_key(init_from)
+  # The directory is held for the whole run (one run at a time); its results are the loss log (one
+  # row per 10 steps, which also keeps the whole curve across resumes), the checkpoints and hf/.
+  with outputs.RunDirectory(output_dir, spec, "train_log.jsonl", "spec_fingerprint",
+                            gin.config_str(), other_results=("checkpoints", "hf")) as run_dir, \
+       outputs.RowsFile(run_dir.results, run_dir.fingerprint, "spec_fingerprint",
+                        unique_key="step") as loss_log:
+    return _train(run_dir.path, loss_log, spec, target, draft, teacher, training, init_from, seed,
+                  stop_after_step)
+
+
+def _train(output_dir: pathlib.Path, loss_log: outputs.RowsFile, spec: dict, target, draft, teacher,
+           training, init_from, seed, stop_after_step) -> dict:
   summary_path = output_dir / "summary.json"
   if summary_path.exists() and (output_dir / "hf" / "config.json").exists():
-    outputs.check_spec(output_dir, spec)
     logging.info("trained draft found in %s; nothing to do", output_dir)
     return json.loads(summary_path.read_text())
-  outputs.prepare_output_dir(output_dir, spec, gin.config_str())
-
   started = time.perf_counter()
   loaded = run.load_model(target)
   target_config = loaded.config
@@ -263,7 +275,8 @@ def train(output_dir: str = "out/smollm2_draft", target=None, draft: DraftShape 
     draft_config, init_params = draft.config(target_config), None
   loaded = dataclasses.replace(loaded, params=jax.device_put(loaded.params))
   target_params = loaded.params
-  seqs = load_teacher_data(dataclasses.asdict(target), loaded, teacher, seed)
+  seqs = load_teacher_data({**dataclasses.asdict(target),
+                           "content_key": spec["content_keys"]["target"]}, loaded, teacher, seed)
   teacher_seconds = time.perf_counter() - started
   train_seqs, val_seqs = split_validation(seqs, training.validation_fraction)
   if not len(train_seqs) or not len(val_seqs):
@@ -290,9 +303,16 @@ def train(output_dir: str = "out/smollm2_draft", target=None, draft: DraftShape 
   before = trainer.evaluate(decoder_only.model_params(init_params), val_batches)
   logging.info("held-out before training: %s", before)
   fit_start = time.perf_counter()
-  params, losses = fit(trainer, decoder_only.model_params(init_params), train_batches, seed,
-                       output_dir / "checkpoints", stop_after_step=stop_after_step,
-                       desc="train draft")
+  logged = {row["step"] for row in loss_log.existing}  # a resumed run redoes identical steps
+
+  def log_loss(step, loss):
+    if step not in logged:
+      loss_log.append({"step": step, "loss": loss})
+      logged.add(step)
+
+  params, _ = fit(trainer, decoder_only.model_params(init_params), train_batches, seed,
+                  output_dir / "checkpoints", stop_after_step=stop_after_step,
+                  desc="train draft", on_loss=log_loss)
   if stop_after_step is not None and stop_after_step < training.steps:
     logging.info("stopped after step %d as asked; rerun to resume", stop_after_step)
     return {"stopped_after_step": stop_after_step}
@@ -310,7 +330,8 @@ def train(output_dir: str = "out/smollm2_draft", target=None, draft: DraftShape 
       "head_coverage_validation": (head_coverage(val_seqs, head_tokens)
                                    if head_tokens is not None else 1.0),
       "validation_before": before, "validation_after": after,
-      "loss_curve": losses, "teacher_seconds": teacher_seconds,
+      "loss_curve": sorted((row["step"], row["loss"]) for row in outputs.read_rows(loss_log.path)),
+      "teacher_seconds": teacher_seconds,
       "train_seconds": time.perf_counter() - fit_start,
       "total_seconds": time.perf_counter() - started, "hf_export": str(output_dir / "hf"),
   }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pathlib
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -77,23 +78,52 @@ def _checkpoint_manager(directory, spec: TrainSpec):
                                            enable_async_checkpointing=False))
 
 
+def _restore_latest_intact(checkpoint_dir: pathlib.Path, spec: TrainSpec, state):
+  """(manager, step, state) from the newest checkpoint that restores. A checkpoint that does not (a
+  disk error, a kill mid-write that orbax did not catch) is moved to `<checkpoint_dir>.corrupt/`
+  with a warning naming it, and the one before it is tried; none intact starts from step 0.
+  Directories left by a kill during a save (`*.orbax-checkpoint-tmp-*`) are removed first."""
+  for stale in sorted(checkpoint_dir.glob("*.orbax-checkpoint-tmp-*")):
+    logging.warning("removing %s, an unfinished save left by a killed run", stale)
+    shutil.rmtree(stale)
+  while True:
+    manager = _checkpoint_manager(checkpoint_dir, spec)
+    step = manager.latest_step()
+    if step is None:
+      return manager, 0, state
+    try:
+      restored = manager.restore(step, args=ocp.args.StandardRestore(
+          jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)))
+      return manager, step, restored
+    except Exception as error:  # pylint: disable=broad-except  # orbax raises many kinds
+      aside = checkpoint_dir.parent / f"{checkpoint_dir.name}.corrupt" / str(step)
+      aside.parent.mkdir(parents=True, exist_ok=True)
+      manager.close()
+      shutil.move(str(checkpoint_dir / str(step)), str(aside))
+      logging.warning("the checkpoint at step %d (%s) does not restore (%s: %s); moved it to %s and "
+                      "falling back to the one before it", step, checkpoint_dir / str(step),
+                      type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "",
+                      aside)
+
+
 def fit(trainer, params, train_batches, seed: int, checkpoint_dir, *,
-        stop_after_step: int | None = None, desc: str = "train"):
-  """Train trainer.spec.steps steps from the latest checkpoint in checkpoint_dir (or from `params`,
-  the trainable tree).
+        stop_after_step: int | None = None, desc: str = "train", on_loss=None):
+  """Train trainer.spec.steps steps from the newest intact checkpoint in checkpoint_dir (or from
+  `params`, the trainable tree).
 
   train_batches: the list of batch dicts. stop_after_step: return after that step as an interruption
-  would (the checkpoint written there lets a rerun resume). Returns (params, losses of this run)."""
+  would (the checkpoint written there lets a rerun resume). on_loss(step, loss): called every 10
+  steps and at the end (a run's loss log). Returns (params, losses of this run)."""
   spec = trainer.spec
   params = jax.tree_util.tree_map(jnp.asarray, params)
   state = {"params": params, "opt_state": trainer.optimizer.init(params)}
   with _quiet_absl():
-    manager = _checkpoint_manager(checkpoint_dir, spec)
-    start = manager.latest_step() or 0
-    if start:
-      state = manager.restore(start, args=ocp.args.StandardRestore(
-          jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)))
-    logging.info("resumed from the checkpoint at step %d", start)
+    manager, start, state = _restore_latest_intact(pathlib.Path(checkpoint_dir).absolute(), spec,
+                                                   state)
+  if start:
+    logging.info("resumed from step %d (checkpoint %s)", start, pathlib.Path(checkpoint_dir) / str(start))
+  else:
+    logging.info("no checkpoint in %s: training from step 0", checkpoint_dir)
   end = spec.steps if stop_after_step is None else min(spec.steps, stop_after_step)
   losses = []
   params, opt_state = state["params"], state["opt_state"]
@@ -104,6 +134,8 @@ def fit(trainer, params, train_batches, seed: int, checkpoint_dir, *,
       if (step + 1) % 10 == 0 or step + 1 == end:
         losses.append((step + 1, float(loss)))
         bar.set_postfix(kl=f"{losses[-1][1]:.3f}")
+        if on_loss is not None:
+          on_loss(*losses[-1])
       if (step + 1) % spec.checkpoint_every == 0 or step + 1 == end:
         with _quiet_absl():  # orbax logs every save at INFO, dozens of lines
           manager.save(step + 1, args=ocp.args.StandardSave({"params": params,
@@ -112,5 +144,3 @@ def fit(trainer, params, train_batches, seed: int, checkpoint_dir, *,
   with _quiet_absl():
     manager.wait_until_finished()
   return params, losses
-
-

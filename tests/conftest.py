@@ -141,3 +141,49 @@ def smollm2():
   path = assets.smollm2_gguf_path()
   config, params = checkpoints.load(path)
   return config, params, tokenizer.Tokenizer.from_gguf(path)
+
+
+def tiny_t5_files(root: pathlib.Path, config=None, seed: int = 21):
+  """A tiny random T5 with a SentencePiece model trained on the English / German prompt texts:
+  -> (HF directory with spiece.model, the same weights as a T5X checkpoint, the vocabulary file,
+  a prompts JSONL of five "translate English to German: ..." sources, those texts)."""
+  import json  # pylint: disable=import-outside-toplevel
+  from specjax import data, vocabulary  # pylint: disable=import-outside-toplevel
+  from specjax.checkpoints import hf_t5, t5x  # pylint: disable=import-outside-toplevel
+  config = config or t5.SIZES["tiny"]
+  pairs = data.django_de_pairs()
+  vocab_path = root / "spm" / "spiece.model"
+  vocab = vocabulary.train([text for pair in pairs for text in pair], vocab_path, vocab_size=100)
+  assert vocab.vocab_size == 100
+  params = random_t5_params(config, seed=seed)
+  hf_dir = hf_t5.save(root / "hf", config, params, vocabulary=vocab_path)
+  t5x_dir = t5x.save(root / "t5x" / "checkpoint_0", config, params)
+  texts = ["translate English to German: " + english for english, _ in pairs[:5]]
+  prompts = root / "prompts.jsonl"
+  prompts.write_text("".join(json.dumps({"id": f"p{i}", "text": t}) + "\n"
+                             for i, t in enumerate(texts)))
+  return hf_dir, pathlib.Path(t5x_dir), vocab_path, prompts, texts
+
+
+def generation_gin(path, output_dir, checkpoint, vocabulary_path, prompts, max_new_tokens=10):
+  """A `run.generate` config for `checkpoint` over a prompts file (all of it, batches of 2)."""
+  path.write_text(f"""from __gin__ import dynamic_registration
+from specjax import run
+
+run.main.job = @run.generate
+run.generate:
+  output_dir = "{output_dir}"
+  target = @run.ModelSpec()
+  prompts = @run.PromptSpec()
+  decode = @run.DecodeSpec()
+run.ModelSpec.checkpoint = "{checkpoint}"
+run.ModelSpec.vocabulary = {'None' if vocabulary_path is None else repr(str(vocabulary_path))}
+run.PromptSpec:
+  name = "{prompts}"
+  split = "all"
+  limit = None
+  batch_size = 2
+  bucket = 8
+run.DecodeSpec.max_new_tokens = {max_new_tokens}
+""")
+  return path

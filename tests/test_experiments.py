@@ -347,7 +347,7 @@ def test_second_writer_and_bad_measure_refused(tmp_path):
   out = tmp_path / "r.jsonl"
   with open(str(out) + ".lock", "a") as lock:
     fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-    with pytest.raises(RuntimeError, match="another run is writing"):
+    with pytest.raises(RuntimeError, match="another run is using"):
       sweep.run_sweep(POINTS, fake_measure, out, progress=False)
   with pytest.raises(ValueError, match=r"changed the point's own parameters .*\['gamma'\]"):
     sweep.run_sweep(POINTS, lambda p: {"gamma": 99}, out, progress=False)

@@ -58,10 +58,11 @@ def test_smoke_real_run_writes_everything_and_resumes(tmp_path):
   assert len((tmp_path / "generations.jsonl").read_text().splitlines()) == 2
 
 
-def test_output_dir_of_another_config_is_refused(tmp_path):
-  (tmp_path / "spec.json").write_text('{"something": "else"}')
-  with pytest.raises(ValueError, match="holds results of a different config"):
+def test_output_dir_with_rows_of_another_config_is_refused(tmp_path):
+  (tmp_path / "generations.jsonl").write_text('{"key": "x", "spec_fingerprint": "0123"}\n')
+  with pytest.raises(ValueError, match="holds 1 rows of another config"):
     _tiny(tmp_path)
+  assert not (tmp_path / "spec.json").exists()  # refused before writing anything
 
 
 def test_unknown_binding_and_missing_checkpoint_are_clear(tmp_path):

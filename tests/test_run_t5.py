@@ -4,6 +4,7 @@ transformers' greedy `generate` gives; the same weights as a T5X checkpoint (plu
 path) give the same ids; HF -> specjax -> T5X -> specjax keeps the logits; bad vocabularies and
 sources that do not fit are refused with the fix."""
 
+import functools
 import json
 import pathlib
 import subprocess
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import random_t5_params
+from conftest import generation_gin, random_t5_params, tiny_t5_files
 from specjax import contracts, data, loading, run, vocabulary
 from specjax.checkpoints import hf_t5, t5x
 from specjax.models import t5
@@ -26,42 +27,10 @@ NEW_TOKENS = 10
 @pytest.fixture(scope="module")
 def t5_dirs(tmp_path_factory):
   """(HF directory with spiece.model, T5X checkpoint, the vocabulary file, prompts JSONL, texts)."""
-  root = tmp_path_factory.mktemp("t5")
-  pairs = data.django_de_pairs()
-  vocab = vocabulary.train([text for pair in pairs for text in pair], root / "spm" / "spiece.model",
-                           vocab_size=100)
-  params = random_t5_params(CONFIG, seed=21)
-  hf_dir = hf_t5.save(root / "hf", CONFIG, params, vocabulary=root / "spm" / "spiece.model")
-  t5x_dir = t5x.save(root / "t5x" / "checkpoint_0", CONFIG, params)
-  texts = ["translate English to German: " + english for english, _ in pairs[:5]]
-  prompts = root / "prompts.jsonl"
-  prompts.write_text("".join(json.dumps({"id": f"p{i}", "text": t}) + "\n"
-                             for i, t in enumerate(texts)))
-  assert vocab.vocab_size == 100
-  return hf_dir, pathlib.Path(t5x_dir), root / "spm" / "spiece.model", prompts, texts
+  return tiny_t5_files(tmp_path_factory.mktemp("t5"))
 
 
-def _gin_file(path, output_dir, checkpoint, vocabulary_path, prompts):
-  path.write_text(f"""from __gin__ import dynamic_registration
-from specjax import run
-
-run.main.job = @run.generate
-run.generate:
-  output_dir = "{output_dir}"
-  target = @run.ModelSpec()
-  prompts = @run.PromptSpec()
-  decode = @run.DecodeSpec()
-run.ModelSpec.checkpoint = "{checkpoint}"
-run.ModelSpec.vocabulary = {'None' if vocabulary_path is None else repr(str(vocabulary_path))}
-run.PromptSpec:
-  name = "{prompts}"
-  split = "all"
-  limit = None
-  batch_size = 2
-  bucket = 8
-run.DecodeSpec.max_new_tokens = {NEW_TOKENS}
-""")
-  return path
+_gin_file = functools.partial(generation_gin, max_new_tokens=NEW_TOKENS)
 
 
 def _generated(output_dir):

@@ -114,6 +114,33 @@ def test_interrupted_run_resumes_to_the_same_parameters(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caplog):
+  """A kill mid-save (orbax's tmp directory left) and a newest checkpoint whose files are garbage:
+  the rerun removes the first, moves the second aside with a warning naming it, resumes from the
+  checkpoint before it and ends bit-identical to an uninterrupted run."""
+  _, _, _, _, _, train_batches, _, init = _setup()
+  spec = dataclasses.replace(SPEC, steps=30, checkpoint_every=10)
+  init = decoder_only.model_params(init)
+  straight, _ = training.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0,
+                             tmp_path / "straight")
+  ckpt = tmp_path / "resumed"
+  training.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0, ckpt, stop_after_step=25)
+  assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["20", "25"]
+  for path in (ckpt / "25").rglob("*"):
+    if path.is_file():
+      path.write_bytes(b"\x00garbage" * 7)
+  stale = ckpt / "30.orbax-checkpoint-tmp-1234"
+  stale.mkdir()
+  with caplog.at_level("WARNING"):
+    resumed, losses = training.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0, ckpt)
+  assert losses[0][0] == 30 and len(losses) == 1  # steps 21..30 redone from step 20, logged at 30
+  assert not stale.exists() and (tmp_path / "resumed.corrupt" / "25").is_dir()
+  assert any(f"checkpoint at step 25 ({ckpt / '25'}) does not restore" in r.getMessage()
+             for r in caplog.records), [r.getMessage() for r in caplog.records]
+  for a, b in zip(jax.tree_util.tree_leaves(straight), jax.tree_util.tree_leaves(resumed)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_batch_order_is_a_permutation_per_epoch():
   order = [training.batch_order(7, step, seed=3) for step in range(21)]
   for epoch in range(3):

@@ -5,13 +5,19 @@
   directory with config.json, model_type "t5"    -> hf_t5 (T5 1.0 / 1.1 / Flan-T5)
   directory with config.json, a Llama-family type -> hf (Llama, SmolLM2, Mistral, Qwen2)
   T5X checkpoint directory (a `checkpoint` file)  -> t5x (also gs://... paths tensorstore opens)
+
+`content_key(path)` names what a checkpoint holds, not where: results are tied to it, so weights that
+change behind a path make "a different config".
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import pathlib
 
+from specjax import assets
 from specjax.checkpoints import gguf, hf, hf_t5, t5x
 
 _T5_MODEL_TYPES = ("t5",)  # config.json model_type of T5 1.0 / 1.1 / Flan-T5 directories
@@ -37,3 +43,56 @@ def load(path):
   raise ValueError(f"unknown checkpoint layout at {path}: {found}; expected a .gguf file, a Hugging "
                    "Face directory (config.json + model.safetensors) or a T5X checkpoint directory "
                    "(a `checkpoint` msgpack file with its arrays)")
+
+
+# Files of a T5X / orbax checkpoint that change whenever its arrays do (the step, the parameter
+# metadata, orbax's manifest); a remote checkpoint is keyed by these alone: hashing 44 GB over the
+# network to start a run is not cheap.
+_REMOTE_KEY_FILES = ("checkpoint", "_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt")
+
+
+def content_key(path) -> str:
+  """A digest of what a checkpoint holds: sha256 over every file of a local file or directory (hidden
+  files left out), cached per file by (path, size, mtime) under $SPECJAX_CACHE, so a 500 MB model
+  costs about a second once and nothing after; for a URL (gs://...), a digest of its metadata files
+  (`_REMOTE_KEY_FILES`)."""
+  text = str(path)
+  if "://" in text:
+    found = []
+    for name in _REMOTE_KEY_FILES:
+      try:
+        found.append((name, hashlib.sha256(t5x.read_file(f"{text.rstrip('/')}/{name}")).hexdigest()))
+      except FileNotFoundError:
+        continue
+    if not found:
+      raise FileNotFoundError(f"no checkpoint at {text}: none of {', '.join(_REMOTE_KEY_FILES)} there")
+    return _digest(found)
+  path = pathlib.Path(path)
+  if path.is_file():
+    return _digest([(path.name, _file_sha256(path))])
+  if not path.is_dir():
+    raise FileNotFoundError(f"no checkpoint at {path}")
+  files = sorted(p for p in path.rglob("*") if p.is_file()
+                 and not any(part.startswith(".") for part in p.relative_to(path).parts))
+  return _digest([(p.relative_to(path).as_posix(), _file_sha256(p)) for p in files])
+
+
+def _digest(pairs) -> str:
+  return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:16]
+
+
+def _file_sha256(path: pathlib.Path) -> str:
+  stat = path.stat()
+  memo_key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+  memo = assets.cache_dir() / "content_keys" / memo_key
+  if memo.is_file():
+    return memo.read_text().strip()
+  sha = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 22), b""):
+      sha.update(block)
+  memo.parent.mkdir(parents=True, exist_ok=True)
+  tmp = memo.with_name(f"{memo_key}.tmp{os.getpid()}")
+  tmp.write_text(sha.hexdigest())
+  os.replace(tmp, memo)  # atomic: concurrent runs never read half a digest
+  return sha.hexdigest()

@@ -38,6 +38,31 @@ _GGUF_TO_HF = {
 }
 
 
+_MAGIC = b"GGUF"
+
+
+def open_reader(path) -> gguf.GGUFReader:
+  """A GGUFReader over `path`, or a ValueError that names the file and what is wrong with it: not a
+  GGUF at all, or truncated (with the size its own tensor table says it has)."""
+  path = pathlib.Path(path)
+  size = path.stat().st_size
+  with open(path, "rb") as f:
+    magic = f.read(4)
+  if magic != _MAGIC:
+    raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, a GGUF with {_MAGIC!r}; "
+                     "point the checkpoint at a .gguf from llama.cpp or at a Hugging Face directory")
+  try:
+    reader = gguf.GGUFReader(str(path))
+  except Exception as error:  # pylint: disable=broad-except  # the reader raises whatever numpy does
+    raise ValueError(f"{path} ({size} bytes) is truncated or corrupt: its GGUF header does not parse "
+                     f"({type(error).__name__}: {error}); download or copy it again") from None
+  expected = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+  if expected > size:
+    raise ValueError(f"{path} is truncated: its tensors end at byte {expected} but the file has "
+                     f"{size} bytes; download or copy it again")
+  return reader
+
+
 def metadata(reader: gguf.GGUFReader, key: str, default=None):
   """A GGUF metadata field as a Python str / int / float / bool, or a list of them for arrays; `default`
   when the file lacks it. Reads the reader's raw `parts` / `data`, which are stable across gguf
@@ -128,7 +153,7 @@ def load(path, use_cache: bool = True):
       flat = dict(data)
     cfg = DecoderConfig(**json.loads(str(flat.pop(_CONFIG_KEY))))
     return cfg, traverse_util.unflatten_dict(flat, sep="/")
-  reader = gguf.GGUFReader(str(path))
+  reader = open_reader(path)
   cfg = read_config(reader)
   params = llama_layout.params_from_hf_tensors(_hf_tensors(reader, cfg).get, cfg)
   if use_cache:
