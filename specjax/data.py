@@ -233,16 +233,14 @@ def _jsonl_items(path: str) -> list[tuple[str, str, str | None]]:
 
 def _items(name: str) -> list[tuple[str, str, str | None]]:
   """(key, source text, reference) of every item of a set, in the set's fixed order."""
+  check_prompt_set_name(name)  # raises for an unknown name or a missing .jsonl
   if name.endswith(".jsonl"):
     return _jsonl_items(name)
   if name == "humaneval":
     return [(p["task_id"], p["prompt"], p["canonical_solution"]) for p in humaneval_problems()]
   if name == "news":
     return [(key, article, None) for key, article in lee_articles()]
-  if name == "ende":
-    return [(english, english, german) for english, german in django_de_pairs()]
-  check_prompt_set_name(name)  # raises for an unknown name
-  raise NotImplementedError(f"prompt set {name!r} is described but has no loader")
+  return [(english, english, german) for english, german in django_de_pairs()]  # "ende"
 
 
 def check_prompt_set_name(name: str) -> None:

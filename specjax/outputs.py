@@ -128,7 +128,26 @@ def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
   return [f"{field}: {json.dumps(old)} -> {json.dumps(new)}"]
 
 
-class RunDirectory:
+class _Held:
+  """A context manager whose `_open` (each subclass's) acquires resources on `self._stack`; if `_open` fails, whatever
+  it acquired (a lock, a file) is released before the error propagates."""
+
+  def __init__(self):
+    self._stack = contextlib.ExitStack()
+
+  def __enter__(self):
+    try:
+      self._open()
+    except BaseException:
+      self._stack.close()
+      raise
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self._stack.close()
+
+
+class RunDirectory(_Held):
   """A run's output directory, held exclusively while the run lasts.
 
       with RunDirectory(output_dir, spec, results="results.jsonl", fingerprint_key=...) as run_dir:
@@ -152,29 +171,21 @@ class RunDirectory:
     self.fingerprint_key = fingerprint_key
     self.config_text = config_text
     self.other_results = [self.path / name for name in other_results]
-    self._stack = contextlib.ExitStack()
+    super().__init__()
 
-  def __enter__(self) -> "RunDirectory":
+  def _open(self) -> None:
     if self.path.exists() and not self.path.is_dir():
       raise NotADirectoryError(f"output_dir {self.path} is a file, not a directory; give the run a "
                                "directory path (it is created if missing)")
     self.path.mkdir(parents=True, exist_ok=True)
     if jax.process_index() != 0:  # process 0 alone checks and writes (its rows decide)
-      return self
+      return
     self._stack.enter_context(_exclusive(self.path / ".run", what=f"the output directory {self.path}"))
-    try:
-      self._check()
-      (self.path / SPEC_FILE).write_text(json.dumps(self.spec, indent=2, sort_keys=True) + "\n")
-      (self.path / "environment.json").write_text(json.dumps(environment(), indent=2) + "\n")
-      if self.config_text is not None:
-        (self.path / "config.gin").write_text(self.config_text)
-    except BaseException:
-      self._stack.close()
-      raise
-    return self
-
-  def __exit__(self, *exc_info) -> None:
-    self._stack.close()
+    self._check()
+    (self.path / SPEC_FILE).write_text(json.dumps(self.spec, indent=2, sort_keys=True) + "\n")
+    (self.path / "environment.json").write_text(json.dumps(environment(), indent=2) + "\n")
+    if self.config_text is not None:
+      (self.path / "config.gin").write_text(self.config_text)
 
   def _check(self) -> None:
     spec_path = self.path / SPEC_FILE
@@ -246,7 +257,7 @@ def _scan(path: Path) -> tuple[list[dict], int | None]:
   return rows, torn_at
 
 
-class RowsFile:
+class RowsFile(_Held):
   """An exclusive, append-only JSONL of result rows, each stamped with the writer's fingerprint.
 
       with RowsFile(path, fingerprint) as rows:   # locks, repairs a torn tail, checks fingerprints
@@ -261,39 +272,31 @@ class RowsFile:
     self.fingerprint_key = fingerprint_key
     self.unique_key = unique_key  # a field no two rows share (a prompt's key, a point's id)
     self.existing: list[dict] = []
-    self._stack = contextlib.ExitStack()
     self._file = None
+    super().__init__()
 
-  def __enter__(self) -> "RowsFile":
+  def _open(self) -> None:
     self.path.parent.mkdir(parents=True, exist_ok=True)
     self._stack.enter_context(_exclusive(self.path))
-    try:
-      rows, torn_at = _scan(self.path)
-      others = sorted({r.get(self.fingerprint_key) for r in rows} - {self.fingerprint}, key=str)
-      if others:
-        raise ValueError(f"{self.path} holds rows of a different config ({self.fingerprint_key} "
-                         f"{', '.join(map(str, others))}; this run's is {self.fingerprint}). Refusing "
-                         "to mix results: write to another output path, or move the old file away.")
-      if self.unique_key is not None:
-        seen, twice = set(), set()
-        for row in rows:
-          value = json.dumps(row.get(self.unique_key))
-          (twice if value in seen else seen).add(value)
-        if twice:
-          raise ValueError(f"{self.path}: {self.unique_key} {', '.join(sorted(twice))} appears "
-                           "more than once; one run at a time writes a file, so something else "
-                           "wrote these rows. Deduplicate the file or move it away.")
-      if torn_at is not None:
-        _cut_torn_tail(self.path, torn_at)
-      self.existing = rows
-      self._file = self._stack.enter_context(open(self.path, "a", encoding="utf-8"))
-    except BaseException:
-      self._stack.close()
-      raise
-    return self
-
-  def __exit__(self, *exc_info) -> None:
-    self._stack.close()
+    rows, torn_at = _scan(self.path)
+    others = sorted({r.get(self.fingerprint_key) for r in rows} - {self.fingerprint}, key=str)
+    if others:
+      raise ValueError(f"{self.path} holds rows of a different config ({self.fingerprint_key} "
+                       f"{', '.join(map(str, others))}; this run's is {self.fingerprint}). Refusing "
+                       "to mix results: write to another output path, or move the old file away.")
+    if self.unique_key is not None:
+      seen, twice = set(), set()
+      for row in rows:
+        value = json.dumps(row.get(self.unique_key))
+        (twice if value in seen else seen).add(value)
+      if twice:
+        raise ValueError(f"{self.path}: {self.unique_key} {', '.join(sorted(twice))} appears "
+                         "more than once; one run at a time writes a file, so something else "
+                         "wrote these rows. Deduplicate the file or move it away.")
+    if torn_at is not None:
+      _cut_torn_tail(self.path, torn_at)
+    self.existing = rows
+    self._file = self._stack.enter_context(open(self.path, "a", encoding="utf-8"))
 
   def append(self, row: Mapping[str, Any]) -> dict:
     """Stamp, normalise and write one row as one line; flush and fsync before returning it."""
