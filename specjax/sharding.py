@@ -42,34 +42,64 @@ RULES: dict[str, str | None] = {
 
 
 def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
-  """A ('data', 'model') mesh. model=None takes every device not used by `data`."""
+  """A ('data', 'model') mesh. model=None takes every device not used by `data`. The mesh's size must
+  divide the device count (a mesh over some of the devices is allowed, e.g. 1x1 anywhere)."""
   devices = list(devices if devices is not None else jax.devices())
   if model is None:
     if len(devices) % data:
       raise ValueError(f"data={data} does not divide the {len(devices)} devices")
     model = len(devices) // data
+  if data < 1 or model < 1:
+    raise ValueError(f"mesh axes must be >= 1, got data={data}, model={model}")
   if data * model > len(devices):
     raise ValueError(f"a {data}x{model} mesh needs {data * model} devices; {len(devices)} are visible "
                      "(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax)")
+  if len(devices) % (data * model):
+    raise ValueError(f"a {data}x{model} mesh ({data * model} devices) does not divide the "
+                     f"{len(devices)} devices; pick data x model among the divisors of "
+                     f"{len(devices)} ({', '.join(map(str, _divisors(len(devices))))})")
   return Mesh(np.array(devices[:data * model]).reshape(data, model), MESH_AXES)
 
 
-def spec_for(logical: tuple, shape: tuple, mesh: Mesh) -> PartitionSpec:
-  """Logical axis names + array shape -> a PartitionSpec, replicating axes that do not divide evenly."""
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class UnshardableError(ValueError):
+  """A dimension the rules map to a mesh axis that does not divide it (strict sharding only)."""
+
+
+def spec_for(logical: tuple, shape: tuple, mesh: Mesh, strict: bool = False,
+             where: str = "an array") -> PartitionSpec:
+  """Logical axis names + array shape -> a PartitionSpec. A dimension whose size the mesh axis does
+  not divide is replicated, or with strict=True refused (UnshardableError naming the axis)."""
   mesh_axes = []
   for name, size in zip(logical, shape):
     mesh_axis = RULES.get(name) if name is not None else None
     if mesh_axis is not None and size % mesh.shape[mesh_axis]:
+      if strict:
+        raise UnshardableError(
+            f"the {name!r} axis of {where} (size {size}, shape {tuple(shape)}) cannot be split over "
+            f"the {mesh_axis!r} mesh axis of size {mesh.shape[mesh_axis]}; pick a {mesh_axis!r} size "
+            f"that divides {size} ({', '.join(map(str, _divisors(size)[:12]))}), or allow "
+            "replication (non-strict sharding replicates that axis on every device)")
       mesh_axis = None
     mesh_axes.append(mesh_axis)
   return PartitionSpec(*mesh_axes)
 
 
-def tree_shardings(logical_tree, shape_tree, mesh: Mesh):
+def replicated_axes(logical: tuple, shape: tuple, mesh: Mesh) -> list[str]:
+  """The logical axes of an array that the rules would shard but the mesh axis does not divide."""
+  return [name for name, size in zip(logical, shape)
+          if name is not None and RULES.get(name) and size % mesh.shape[RULES[name]]]
+
+
+def tree_shardings(logical_tree, shape_tree, mesh: Mesh, strict: bool = False):
   """Trees of logical PartitionSpecs and of arrays (or ShapeDtypeStructs) -> NamedShardings."""
   is_spec = lambda x: isinstance(x, PartitionSpec)
-  return jax.tree_util.tree_map(
-      lambda logical, leaf: NamedSharding(mesh, spec_for(tuple(logical), leaf.shape, mesh)),
+  return jax.tree_util.tree_map_with_path(
+      lambda path, logical, leaf: NamedSharding(mesh, spec_for(
+          tuple(logical), leaf.shape, mesh, strict, f"parameter {jax.tree_util.keystr(path)}")),
       logical_tree, shape_tree, is_leaf=is_spec)
 
 
@@ -87,7 +117,21 @@ def batch_sharding(mesh: Mesh, batch: int, ndim: int = 2) -> NamedSharding:
 
 
 def place(tree, shardings):
-  return jax.device_put(tree, shardings)
+  """Host arrays -> arrays laid out by `shardings`. Across processes every process passes the same
+  host values and keeps the shards on its own devices."""
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+  return jax.tree_util.tree_map(
+      lambda value, placed: jax.make_array_from_callback(
+          np.shape(value), placed, lambda index: np.asarray(value)[index]), tree, shardings)
+
+
+def to_host(x) -> np.ndarray:
+  """A (possibly multi-process) array as one numpy array on every process."""
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(x)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def describe(mesh: Mesh) -> str:

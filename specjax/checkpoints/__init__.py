@@ -6,12 +6,14 @@
   directory with config.json, a Llama-family type -> hf (Llama, SmolLM2, Mistral, Qwen2)
   T5X checkpoint directory (a `checkpoint` file)  -> t5x (also gs://... paths tensorstore opens)
 
-`content_key(path)` names what a checkpoint holds, not where: results are tied to it, so weights that
+`read_config(path)` is the architecture alone (no arrays read, except from a T5X checkpoint, whose
+shapes live with its arrays). `content_key(path)` names what a checkpoint holds, not where: results are tied to it, so weights that
 change behind a path make "a different config".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -43,6 +45,25 @@ def load(path):
   raise ValueError(f"unknown checkpoint layout at {path}: {found}; expected a .gguf file, a Hugging "
                    "Face directory (config.json + model.safetensors) or a T5X checkpoint directory "
                    "(a `checkpoint` msgpack file with its arrays)")
+
+
+def read_config(path):
+  """The config of a checkpoint of either family without reading its weights (a plan needs shapes
+  only); a T5X checkpoint is read whole (its shapes are stored with the arrays)."""
+  text = str(path)
+  path = pathlib.Path(path)
+  if "://" not in text and path.is_file() and path.suffix == ".gguf":
+    return gguf.read_config(gguf.open_reader(path))
+  if "://" not in text and path.is_dir() and (path / "config.json").is_file():
+    config = hf.read_config(path)
+    if config.get("model_type") in _T5_MODEL_TYPES:
+      return hf_t5.config_from_hf(config)
+    decoder = hf.config_from_hf(config)
+    if (path / hf.HEAD_TOKENS_FILE).is_file():
+      head = json.loads((path / hf.HEAD_TOKENS_FILE).read_text())
+      decoder = dataclasses.replace(decoder, head_size=len(head))
+    return decoder
+  return load(path)[0]
 
 
 # Files of a T5X / orbax checkpoint that change whenever its arrays do (the step, the parameter

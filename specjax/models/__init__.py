@@ -3,10 +3,23 @@
 These functions pick the family by the config's type, so callers never branch on it.
 """
 
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from specjax import sharding
 from specjax.models import decoder_only, t5
+
+# Every named architecture of both families (T5's test shapes as "t5-tiny", "t5-tiny-1.0"): what a
+# plan builds from shapes alone.
+SIZES = {**decoder_only.SIZES,
+         **{name if name.startswith("t5") else f"t5-{name}": config
+            for name, config in t5.SIZES.items()}}
+
+
+def config_by_name(name: str):
+  if name not in SIZES:
+    raise ValueError(f"unknown architecture {name!r}; known: {', '.join(sorted(SIZES))}")
+  return SIZES[name]
 
 
 def _family(config):
@@ -17,12 +30,20 @@ def _family(config):
   raise TypeError(f"no model family for a config of type {type(config).__name__}")
 
 
-def model_for(config, mesh: Mesh | None = None):
-  """The contracts.Model of a config of either family (activations laid out on `mesh` if given)."""
-  return _family(config).model(config, mesh)
+def model_for(config, mesh: Mesh | None = None, cache_dtype=jnp.float32):
+  """The contracts.Model of a config of either family (activations laid out on `mesh` if given; KV
+  cache buffers in `cache_dtype`)."""
+  return _family(config).model(config, mesh, cache_dtype)
 
 
-def param_shardings(config, mesh: Mesh):
-  """NamedShardings for a config's parameter tree under the rules table."""
+def param_shapes(config):
+  """A tree of jax.ShapeDtypeStruct shaped like the params (float32; nothing is allocated)."""
+  return _family(config).param_shapes(config)
+
+
+def param_shardings(config, mesh: Mesh, strict: bool = False):
+  """NamedShardings for a config's parameter tree under the rules table (strict: see
+  sharding.tree_shardings)."""
   family = _family(config)
-  return sharding.tree_shardings(family.param_logical_axes(config), family.param_shapes(config), mesh)
+  return sharding.tree_shardings(family.param_logical_axes(config), family.param_shapes(config),
+                                 mesh, strict)

@@ -68,6 +68,15 @@ SIZES = {
                                   num_kv_heads=5, head_dim=64, mlp_dim=2560, rope_theta=100000.0),
     "llama2-7b": DecoderConfig(vocab_size=32000, embed_dim=4096, num_layers=32, num_heads=32,
                                num_kv_heads=32, head_dim=128, mlp_dim=11008, tie_embeddings=False),
+    # Llama 2 70B: the 70B-class target of Chen et al.'s Table 1 in this family (Chinchilla 70B is not
+    # public; same width and depth, grouped-query attention, a 32k vocabulary).
+    "llama2-70b": DecoderConfig(vocab_size=32000, embed_dim=8192, num_layers=80, num_heads=64,
+                                num_kv_heads=8, head_dim=128, mlp_dim=28672, tie_embeddings=False),
+    # Chen et al.'s 4B draft: d_model 6144, 48 heads, 8 layers, the target's vocabulary. Their MLP is
+    # 4 x d_model ungated; the gated MLP here has 2/3 of that width, the same parameter count.
+    "chen-4b-draft": DecoderConfig(vocab_size=32000, embed_dim=6144, num_layers=8, num_heads=48,
+                                   num_kv_heads=48, head_dim=128, mlp_dim=16384,
+                                   tie_embeddings=False),
     "llama3-8b": DecoderConfig(vocab_size=128256, embed_dim=4096, num_layers=32, num_heads=32,
                                num_kv_heads=8, head_dim=128, mlp_dim=14336, rope_theta=500000.0,
                                tie_embeddings=False),
@@ -144,9 +153,11 @@ def make_step(config: DecoderConfig, mesh: Mesh | None = None):
   return step
 
 
-def model(config: DecoderConfig, mesh: Mesh | None = None) -> contracts.StepModel:
+def model(config: DecoderConfig, mesh: Mesh | None = None,
+          cache_dtype=jnp.float32) -> contracts.StepModel:
   """The contracts.Model of this config: its step and empty-cache factory (no encoder)."""
-  return contracts.StepModel(make_step(config, mesh), functools.partial(init_cache, config))
+  return contracts.StepModel(make_step(config, mesh),
+                             functools.partial(init_cache, config, dtype=cache_dtype))
 
 
 def model_params(params):

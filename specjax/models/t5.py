@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -368,6 +369,7 @@ class T5Model:
   """contracts.Model of a T5: `encode` once per request, then `decode_step` for every token."""
   config: T5Config
   mesh: Mesh | None = None
+  cache_dtype: Any = jnp.float32
   encoder_decoder: bool = dataclasses.field(default=True, init=False)
 
   def encode(self, params, source: contracts.Source | None) -> T5Context:
@@ -392,15 +394,15 @@ class T5Model:
                                              method=_T5.decode)
 
   def init_cache(self, batch: int, max_length: int) -> kv_cache.KVCache:
-    return init_cache(self.config, batch, max_length)
+    return init_cache(self.config, batch, max_length, self.cache_dtype)
 
   def open(self, params, source: contracts.Source | None = None) -> contracts.Session:
     """Encode once and bind: contracts.open_session(self, params, source)."""
     return contracts.open_session(self, params, source)
 
 
-def model(config: T5Config, mesh: Mesh | None = None) -> T5Model:
-  return T5Model(config, mesh)
+def model(config: T5Config, mesh: Mesh | None = None, cache_dtype=jnp.float32) -> T5Model:
+  return T5Model(config, mesh, cache_dtype)
 
 
 def _example_inputs(config: T5Config):
