@@ -128,20 +128,54 @@ def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
   return [f"{field}: {json.dumps(old)} -> {json.dumps(new)}"]
 
 
+def from_process_0(value: Any) -> Any:
+  """A JSON value as process 0 has it, on every process (itself on a single process)."""
+  if jax.process_count() == 1:
+    return value
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  payload = np.frombuffer(json.dumps(value).encode() if jax.process_index() == 0 else b"", np.uint8)
+  size = int(multihost_utils.broadcast_one_to_all(np.int32(payload.size)))
+  buffer = payload if jax.process_index() == 0 else np.zeros(size, np.uint8)
+  return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes())
+
+
 class _Held:
   """A context manager whose `_open` (each subclass's) acquires resources on `self._stack`; if `_open` fails, whatever
-  it acquired (a lock, a file) is released before the error propagates."""
+  it acquired (a lock, a file) is released before the error propagates.
+
+  Across processes `_open` runs on process 0 alone (it checks and writes; other hosts may not even
+  share its file system); `_shared()` is what every process learns from it, and a refusal on process
+  0 is raised on every process, so no host waits for a partner that gave up."""
 
   def __init__(self):
     self._stack = contextlib.ExitStack()
 
   def __enter__(self):
-    try:
-      self._open()
-    except BaseException:
-      self._stack.close()
-      raise
+    error = None
+    if jax.process_index() == 0:
+      try:
+        self._open()
+      except BaseException as caught:
+        self._stack.close()
+        if jax.process_count() == 1:
+          raise
+        error = caught
+    shared = from_process_0({"error": None if error is None else f"{type(error).__name__}: {error}",
+                             "shared": None if error is not None else self._shared()})
+    if error is not None:
+      raise error
+    if shared["error"] is not None:
+      raise RuntimeError(f"process 0 refused the run: {shared['error']}")
+    self._receive(shared["shared"])
     return self
+
+  def _shared(self) -> Any:
+    """What process 0's `_open` found that every process needs (JSON)."""
+    return None
+
+  def _receive(self, shared: Any) -> None:
+    del shared
 
   def __exit__(self, *exc_info) -> None:
     self._stack.close()
@@ -178,8 +212,6 @@ class RunDirectory(_Held):
       raise NotADirectoryError(f"output_dir {self.path} is a file, not a directory; give the run a "
                                "directory path (it is created if missing)")
     self.path.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() != 0:  # process 0 alone checks and writes (its rows decide)
-      return
     self._stack.enter_context(_exclusive(self.path / ".run", what=f"the output directory {self.path}"))
     self._check()
     (self.path / SPEC_FILE).write_text(json.dumps(self.spec, indent=2, sort_keys=True) + "\n")
@@ -298,12 +330,20 @@ class RowsFile(_Held):
     self.existing = rows
     self._file = self._stack.enter_context(open(self.path, "a", encoding="utf-8"))
 
+  def _shared(self) -> list[dict]:
+    return self.existing
+
+  def _receive(self, shared: list[dict]) -> None:
+    self.existing = shared  # every process resumes from process 0's rows
+
   def append(self, row: Mapping[str, Any]) -> dict:
-    """Stamp, normalise and write one row as one line; flush and fsync before returning it."""
+    """Stamp, normalise and write one row as one line (process 0; flushed and fsynced before it
+    returns); every process gets the stamped row back."""
     row = jsonable({**row, self.fingerprint_key: self.fingerprint})
-    self._file.write(json.dumps(row, allow_nan=False) + "\n")
-    self._file.flush()
-    os.fsync(self._file.fileno())
+    if self._file is not None:
+      self._file.write(json.dumps(row, allow_nan=False) + "\n")
+      self._file.flush()
+      os.fsync(self._file.fileno())
     return row
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
 import statistics
 import time
@@ -37,7 +38,8 @@ import numpy as np
 from absl import app, flags, logging
 from tqdm import tqdm
 
-from specjax import autoregressive, checkpoints, data, drafters, loading, models, outputs, sampling, sharding
+from specjax import (autoregressive, checkpoints, data, drafters, loading, models, outputs, sampling,
+                     sharding, speculative)
 from specjax.checkpoints import t5x
 
 
@@ -111,21 +113,46 @@ def content_keys(target: ModelSpec, drafter_names=()) -> dict:
   return keys
 
 
+def _decode_program(loaded: loading.LoadedModel, decode: DecodeSpec, drafter: str | None,
+                    gamma: int, mesh, style: str):
+  """-> (jitted program, its leading params, its float settings): the program is called as
+  program(*params, prompt_tokens, prompt_lengths, rng, *settings, source). The target alone, or
+  speculative decoding with the named drafter (its params on the target's mesh)."""
+  tokenizer = loaded.tokenizer
+  if drafter is None:
+    shape = autoregressive.DecodeShape(decode.max_new_tokens, decode.top_k, tokenizer.eos_id,
+                                       tokenizer.pad_id)
+    return (autoregressive.make_generate(loaded.model, shape), (loaded.params,),
+            (np.float32(decode.temperature), np.float32(decode.top_p)))
+  sequences = (data.train_sequences(tokenizer, loaded.encoder_decoder, style)
+               if drafters.needs_text(drafter) else None)
+  made, draft_params = drafters.make_drafter(drafter, loaded.config, loaded.params, sequences,
+                                             mesh=mesh if mesh.size > 1 else None)
+  config = speculative.SpecConfig(gamma, decode.max_new_tokens, decode.top_k, tokenizer.eos_id,
+                                  tokenizer.pad_id)
+  program = speculative.make_speculative_decode(loaded.model, made, config).jitted
+  return (program, (loaded.params, draft_params),
+          (np.float32(decode.temperature), np.float32(decode.top_p), np.float32(1.0)))
+
+
 @gin.configurable
 def generate(output_dir: str = "out/smollm2_generate", target: ModelSpec = ModelSpec(),
              prompts: PromptSpec = PromptSpec(), decode: DecodeSpec = DecodeSpec(),
-             mesh_shape: tuple = (1, 1), seed: int = 0) -> dict:
-  """Decode a prompt set with the target; write one row per prompt, timings and a summary."""
+             mesh_shape: tuple = (1, 1), seed: int = 0, drafter: str | None = None,
+             gamma: int = 4) -> dict:
+  """Decode a prompt set with the target (or speculatively, with `drafter` proposing `gamma` tokens:
+  the same tokens, sooner); write one row per prompt, timings and a summary."""
   spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),
-          "decode": dataclasses.asdict(decode), "mesh_shape": list(mesh_shape), "seed": seed}
+          "decode": dataclasses.asdict(decode), "mesh_shape": list(mesh_shape), "seed": seed,
+          "drafter": drafter, "gamma": gamma if drafter is not None else None}
   # Everything that can fail on bad input fails here, before the output directory is touched.
   prompt_set = data.load_prompt_set(prompts.name, prompts.split, prompts.limit, prompts.style)
-  spec["content_keys"] = content_keys(target)
-  loaded, _ = load_target(target, mesh_shape)
+  if drafter is not None:
+    speculative.validate_gamma(gamma)
+  spec["content_keys"] = content_keys(target, () if drafter is None else (drafter,))
+  loaded, mesh = load_target(target, mesh_shape)
   tokenizer = loaded.tokenizer
-  shape = autoregressive.DecodeShape(decode.max_new_tokens, decode.top_k, tokenizer.eos_id,
-                                     tokenizer.pad_id)
-  generate_fn = autoregressive.make_generate(loaded.model, shape)
+  program, params, settings = _decode_program(loaded, decode, drafter, gamma, mesh, prompts.style)
   rng = jax.random.PRNGKey(seed)
   compiled = {}  # per padded prompt shape: compile ahead of time, outside the timed region
   with outputs.RunDirectory(output_dir, spec, "generations.jsonl", "spec_fingerprint",
@@ -139,23 +166,24 @@ def generate(output_dir: str = "out/smollm2_generate", target: ModelSpec = Model
                             disable=jax.process_index() != 0):
       batch = loaded.batch([prompt_set.prompts[i] for i in batch_index], prompts.bucket,
                            prompts.max_prompt_length)
-      args = (loaded.params, batch.prompt_tokens, batch.prompt_lengths,
-              jax.random.fold_in(rng, batch_index[0]), decode.temperature, decode.top_p,
-              batch.source)
+      args = (*params, batch.prompt_tokens, batch.prompt_lengths,
+              jax.random.fold_in(rng, batch_index[0]), *settings, batch.source)
       key = (batch.prompt_tokens.shape, None if batch.source is None else batch.source.tokens.shape)
       if key not in compiled:
-        compiled[key] = generate_fn.lower(*args).compile()
+        compiled[key] = program.lower(*args).compile()
       start = time.perf_counter()
       out = jax.block_until_ready(compiled[key](*args))
       seconds = time.perf_counter() - start
+      # Every process reads the whole batch (rows may live on another host's devices).
+      tokens, generated = sharding.to_host(out.tokens), sharding.to_host(out.num_generated)
       for row, i in enumerate(batch_index):
-        new = np.asarray(out.tokens[row, :int(out.num_generated[row])]).tolist()
+        new = tokens[row, :int(generated[row])].tolist()
         record = {"key": prompt_set.keys[i], "prompt_tokens": int(_input_lengths(batch)[row]),
                   "new_tokens": new, "text": tokenizer.decode(new, skip_special=True),
                   "num_generated": len(new), "batch_seconds": seconds,
-                  "batch_size": len(batch_index), "target_calls": int(out.target_calls) + 1}
-        if jax.process_index() == 0:
-          rows.append(record)
+                  "batch_size": len(batch_index),
+                  "target_calls": int(sharding.to_host(out.target_calls)) + 1}
+        rows.append(record)  # written by process 0
     return _summarize(run_dir.path)
 
 
@@ -179,6 +207,35 @@ def _summarize(output_dir: pathlib.Path) -> dict:
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   logging.info("summary: %s", summary)
   return summary
+
+
+@gin.configurable
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, auto: bool = False) -> bool:
+  """Join a multi-process run (one process per host) before anything touches a device.
+
+  Explicitly: the coordinator's host:port, the process count and this process's id, from these
+  arguments (gin) or the environment (JAX_COORDINATOR_ADDRESS, SPECJAX_NUM_PROCESSES,
+  SPECJAX_PROCESS_ID). auto=True (`--distributed`): as the cluster says, e.g. on every worker of a
+  Cloud TPU pod slice. Neither: a single process (returns False). Then every process runs the same
+  job on one global mesh; process 0 alone writes results."""
+  environ = os.environ
+  coordinator_address = coordinator_address or environ.get("JAX_COORDINATOR_ADDRESS")
+  if num_processes is None and environ.get("SPECJAX_NUM_PROCESSES"):
+    num_processes = int(environ["SPECJAX_NUM_PROCESSES"])
+  if process_id is None and environ.get("SPECJAX_PROCESS_ID"):
+    process_id = int(environ["SPECJAX_PROCESS_ID"])
+  if coordinator_address is None and not auto:
+    return False
+  if coordinator_address is not None and (num_processes is None or process_id is None):
+    raise ValueError(f"a multi-process run with coordinator {coordinator_address} needs the process "
+                     "count and this process's id: set SPECJAX_NUM_PROCESSES and SPECJAX_PROCESS_ID "
+                     "(or bind run.initialize_distributed.num_processes / .process_id), or pass "
+                     "--distributed on a cluster that says them itself (a Cloud TPU pod slice)")
+  jax.distributed.initialize(coordinator_address, num_processes, process_id)
+  logging.info("process %d of %d: %d local devices of %d", jax.process_index(), jax.process_count(),
+               jax.local_device_count(), jax.device_count())
+  return True
 
 
 @gin.configurable
@@ -206,6 +263,8 @@ def gin_cli(entry, example: str) -> None:
   flags.DEFINE_multi_string("gin_file", [], "Gin config files (configs/*.gin).")
   flags.DEFINE_multi_string("gin_bindings", [], "Extra bindings, e.g. "
                             "\"run.DecodeSpec.temperature = 1.0\".")
+  flags.DEFINE_bool("distributed", False, "Join a multi-process run as the cluster describes it "
+                    "(run the same command on every worker of a TPU pod slice).")
 
   def run_entry(argv):
     if len(argv) > 1:
@@ -213,6 +272,7 @@ def gin_cli(entry, example: str) -> None:
     if not flags.FLAGS.gin_file:
       raise app.UsageError(f"pass --gin_file={example}")
     parse_gin(flags.FLAGS.gin_file, flags.FLAGS.gin_bindings)
+    initialize_distributed(**({"auto": True} if flags.FLAGS.distributed else {}))
     gin.get_configurable(entry)()
 
   app.run(run_entry)

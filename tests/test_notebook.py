@@ -68,6 +68,8 @@ def test_quickstart_notebook_runs_on_cpu(tmp_path, monkeypatch):
   assert f"python : {sys.executable}" in setup and "backend: cpu" in setup, setup
   assert "alpha" in "".join(_text(o) for o in _cell(nb, "tables").outputs)
   assert any("image/png" in o.get("data", {}) for o in _cell(nb, "plots").outputs)
+  planned = "".join(_text(o) for o in _cell(nb, "plan").outputs)
+  assert "t5.1.1-xxl" in planned and "| target + t5.1.1-small draft | loop |" in planned, planned
   rows = (out / "results.jsonl").read_text().splitlines()
   assert len(rows) == 2  # gammas (1, 2) x greedy, one row each
   assert all(json.loads(r)["outputs_match_baseline"] is True for r in rows)
