@@ -147,6 +147,9 @@ def tpu_devices(topology: str) -> Devices:
                        "wheel: pip install -e '.[tpu]' (about 700 MB; no TPU needed), or drop "
                        "--topology to plan on this machine's devices")
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  # Only the compiler is used, no chip: let several plans (or a plan beside a TPU job) load libtpu at
+  # once instead of failing on its lock file.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   chips = math.prod(int(n) for n in grid.split("x"))
   bounds = (1, 1, 1) if chips == 1 else (2, 2, 1)
   description = topologies.get_topology_desc(
