@@ -9,6 +9,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -45,6 +46,7 @@ def test_two_processes_decode_the_single_process_tokens(tmp_path):
   env = {**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}",
          "SPECJAX_NUM_PROCESSES": "2", "JAX_PLATFORMS": "cpu",
          "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
+  start = time.perf_counter()
   workers = [subprocess.Popen(
       [sys.executable, str(HERE / "two_process_check.py"), str(target_dir), str(draft_dir),
        str(prompts), str(tmp_path / "multi")], env={**env, "SPECJAX_PROCESS_ID": str(i)},
@@ -56,6 +58,7 @@ def test_two_processes_decode_the_single_process_tokens(tmp_path):
       worker.kill()
   for i, (worker, log) in enumerate(zip(workers, logs)):
     assert worker.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
+  print(f"two processes: {time.perf_counter() - start:.0f} s for both decodes")
 
   for name, _ in two_process_check.SETTINGS:
     out = tmp_path / "multi" / name
