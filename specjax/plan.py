@@ -22,20 +22,17 @@ TPU slice (`--topology=v4-8`, `v5p-64`, `v5e-16`, or a raw `v4:2x2x1`) through
 wheel): the TPU compiler's own verdict then counts, its out-of-memory error included ("does not fit",
 with its figures).
 
-Architectures: read from local checkpoints (config only), recognised from the public T5X checkpoint
-names on gs:// (flan_t5_xxl, t5_1_1_small, ...), or named in the config (`plan.PlanSpec.target_size`,
-`plan.PlanSpec.draft_sizes`, one of `specjax.models.SIZES`) where the weights are not here.
+Architectures: specjax.workload (what a config runs, in shapes); devices: specjax.devices. Name an
+architecture in the config (`plan.PlanSpec.target_size`, `plan.PlanSpec.draft_sizes`) where the
+weights are not here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
-import inspect
 import json
 import math
-import os
 import pathlib
 import re
 import time
@@ -47,11 +44,12 @@ import jax.numpy as jnp
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from specjax import (autoregressive, checkpoints, contracts, drafters, loading, models, sharding,
-                     speculative)
-from specjax.models import decoder_only, kv_cache, t5
+from specjax import autoregressive, contracts, drafters, models, sharding, speculative
+from specjax import devices as devices_lib
+from specjax import workload as workload_lib
+from specjax.models import kv_cache, t5
 
-GIB = 1024 ** 3
+GIB = devices_lib.GIB
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -83,187 +81,6 @@ class PlanSpec:
 PROGRAMS = ("prefill", "draft step", "verify", "decode step", "loop")
 
 
-@dataclasses.dataclass(frozen=True)
-class Workload:
-  """What a config decodes, in shapes: the target, its model drafts, the mesh and the batch."""
-  target: Any
-  drafts: tuple  # ((drafter name, config), ...)
-  mesh_shape: tuple
-  batch: int
-  prompt_length: int  # decoder-only: the padded prompt; encoder-decoder: the padded source
-  max_new_tokens: int
-  gamma: int  # 0: no model draft, the autoregressive loop is planned
-  top_k: int = 0
-  skipped: tuple = ()  # drafters without a model (tables, lookup): nothing to plan
-
-
-# ----------------------------------------------------------------------------------------------------
-# Devices: TPU slices through the TPU compiler, or this machine's.
-
-# generation -> (libtpu's name, chip config, HBM GiB per device, TensorCores per chip in the slice name)
-_TPU_GENERATIONS = {
-    "v4": ("v4", "megacore", 32, 2),
-    "v5p": ("v5", "megacore", 95, 2),
-    "v5e": ("v5e", "default", 16, 1),
-    "v6e": ("v6e", "default", 32, 1),
-}
-# chips -> the slice's chip grid, as Cloud TPU shapes them
-_GRIDS_3D = {1: "1x1x1", 4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4",
-             128: "4x4x8", 256: "4x8x8", 512: "8x8x8"}
-_GRIDS_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
-             256: "16x16"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Devices:
-  devices: tuple
-  description: str
-  memory_bytes: int | None  # per device; None: unknown (CPU)
-  tpu: bool
-
-
-def tpu_devices(topology: str) -> Devices:
-  """A TPU slice by Cloud name ("v4-8": 8 TensorCores = 4 chips; "v5e-16": 16 chips) or by chip grid
-  ("v4:2x2x1"), as devices of the TPU compiler (no TPU needed)."""
-  match = re.fullmatch(r"(v4|v5p|v5e|v6e)(?:-(\d+)|:(\d+(?:x\d+){1,2}))", topology)
-  known = ", ".join(f"{g}-N" for g in _TPU_GENERATIONS)
-  if not match:
-    raise ValueError(f"unknown TPU topology {topology!r}; name a slice ({known}, e.g. v4-8, "
-                     "v5p-64, v5e-16) or a chip grid (e.g. v4:2x2x1, v5e:4x4)")
-  generation, cores, grid = match.groups()
-  libtpu_name, chip_config, hbm_gib, cores_per_chip = _TPU_GENERATIONS[generation]
-  grids = _GRIDS_2D if generation in ("v5e", "v6e") else _GRIDS_3D
-  if grid is None:
-    chips, remainder = divmod(int(cores), cores_per_chip)
-    if remainder or chips not in grids:
-      sizes = ", ".join(f"{generation}-{n * cores_per_chip}" for n in grids)
-      raise ValueError(f"unknown TPU topology {topology!r}; {generation} slices here: {sizes}")
-    grid = grids[chips]
-  if (grid.count("x") == 1) != (generation in ("v5e", "v6e")):
-    raise ValueError(f"unknown TPU topology {topology!r}: {generation} chips form a "
-                     f"{'2-D' if generation in ('v5e', 'v6e') else '3-D'} grid")
-  if importlib.util.find_spec("libtpu") is None:
-    raise RuntimeError(f"planning for the TPU topology {topology!r} needs the TPU compiler, the libtpu "
-                       "wheel: pip install -e '.[tpu]' (about 700 MB; no TPU needed), or drop "
-                       "--topology to plan on this machine's devices")
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
-  # Only the compiler is used, no chip: let several plans (or a plan beside a TPU job) load libtpu at
-  # once instead of failing on its lock file.
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  chips = math.prod(int(n) for n in grid.split("x"))
-  bounds = (1, 1, 1) if chips == 1 else (2, 2, 1)
-  description = topologies.get_topology_desc(
-      topology_name=f"{libtpu_name}:{grid}", platform="tpu", chip_config_name=chip_config,
-      chips_per_host_bounds=bounds, num_slices=1)
-  devices = tuple(description.devices)
-  return Devices(devices, f"{topology} ({generation}:{grid}, {len(devices)} devices, "
-                 f"{hbm_gib} GiB HBM each)", hbm_gib * GIB, True)
-
-
-def local_devices() -> Devices:
-  """This machine's devices; their memory where the runtime says it (GPU, TPU; not CPU)."""
-  devices = tuple(jax.devices())
-  stats = devices[0].memory_stats() or {}
-  return Devices(devices, f"{len(devices)} {devices[0].platform} devices", stats.get("bytes_limit"),
-                 False)
-
-
-# ----------------------------------------------------------------------------------------------------
-# The workload of a config.
-
-# Public T5X checkpoints (gs://t5-data/pretrained_models/t5x/...) by directory name -> architecture.
-_PUBLIC_T5X = re.compile(r"(flan_t5|t5_1_1(?:_lm100k)?|t5)_(small|base|large|xl|xxl|3B|11B)(?:/|$)")
-
-
-def architecture(checkpoint: str, size: str | None = None, role: str = "target"):
-  """The config of a checkpoint without its weights: `size` when named, else what the checkpoint
-  says (local files), else the public T5X name in its path."""
-  if size is not None:
-    return models.config_by_name(size)
-  if checkpoint == loading.EMBEDDED_SMOLLM2:
-    return decoder_only.SIZES["smollm2-135m"]
-  named = _PUBLIC_T5X.search(checkpoint)
-  if named:
-    family, scale = named.groups()
-    if family == "t5":
-      return t5.SIZES[f"t5-{scale.lower()}"]
-    return t5.SIZES[f"t5.1.1-{scale}"]
-  fix = (f"name its architecture: plan.PlanSpec.{'target_size' if role == 'target' else 'draft_sizes'}"
-         f" (one of {', '.join(sorted(models.SIZES))})")
-  if "://" in checkpoint or not pathlib.Path(checkpoint).expanduser().exists():
-    raise ValueError(f"cannot read the architecture of the {role} {checkpoint!r} here; {fix}")
-  return checkpoints.read_config(pathlib.Path(checkpoint).expanduser())
-
-
-def _draft_label(name: str, config, taken: list) -> str:
-  """A short name for a draft in the tables: its architecture's ('t5.1.1-small draft'), else the
-  drafter's own name."""
-  known = size_name(config)
-  label = (known if known.endswith("draft") else f"{known} draft") if known else name
-  return label if label not in taken else f"{label} #{len(taken) + 1}"
-
-
-def size_name(config) -> str | None:
-  """The name of a config in specjax.models.SIZES, if it is one of them."""
-  return next((name for name, known in models.SIZES.items() if known == config), None)
-
-
-def _bindings(selector: str, function) -> dict:
-  """A gin configurable's arguments: its defaults overridden by the config's bindings."""
-  arguments = {name: parameter.default
-               for name, parameter in inspect.signature(function).parameters.items()
-               if parameter.default is not inspect.Parameter.empty}
-  arguments.update(gin.get_bindings(selector, resolve_references=True))
-  return arguments
-
-
-def workload_from_config(spec: PlanSpec) -> Workload:
-  """The Workload of the parsed gin config's job (run.generate or speculative_sweep.sweep)."""
-  try:
-    job = gin.query_parameter("run.main.job")
-  except ValueError:
-    job = None
-  if not isinstance(job, gin.config.ConfigurableReference):
-    raise ValueError("the config binds no job (run.main.job); a plan covers the decoding jobs "
-                     "run.generate and speculative_sweep.sweep")
-  arguments = _bindings(job.configurable.selector, job.configurable.wrapped)
-  if not {"target", "prompts", "decode", "mesh_shape"} <= set(arguments):
-    raise ValueError(f"a plan covers the decoding jobs (run.generate, speculative_sweep.sweep), not "
-                     f"{job.configurable.name}")
-  target_spec, prompts, decode = arguments["target"], arguments["prompts"], arguments["decode"]
-  target = architecture(target_spec.checkpoint, spec.target_size)
-  grid = arguments.get("grid")
-  if grid is not None:  # a sweep: every drafter at the largest gamma, one prompt at a time
-    drafter_names, gamma, batch = tuple(grid.drafters), max(grid.gammas), 1
-  else:  # run.generate: its batches, with its drafter if it names one
-    drafter = arguments.get("drafter")
-    drafter_names, gamma, batch = (() if drafter is None else (drafter,), arguments.get("gamma", 0),
-                                   prompts.batch_size)
-  inner = {name: re.sub(r"^(lookup\+)+", "", name) for name in drafter_names}  # lookup costs nothing
-  model_drafters = [name for name in drafter_names
-                    if inner[name].startswith("model:") or re.fullmatch(r"layers\d+", inner[name])]
-  checkpoint_drafts = [name for name in model_drafters if inner[name].startswith("model:")]
-  if spec.draft_sizes and len(spec.draft_sizes) != len(checkpoint_drafts):
-    raise ValueError(f"plan.PlanSpec.draft_sizes names {len(spec.draft_sizes)} architectures but the "
-                     f"config has {len(checkpoint_drafts)} checkpoint drafts: {checkpoint_drafts}")
-  sizes = dict(zip(checkpoint_drafts, spec.draft_sizes))
-  drafts = []
-  for name in model_drafters:
-    if inner[name].startswith("model:"):
-      config = architecture(inner[name][len("model:"):], sizes.get(name), role=f"draft {name!r}")
-    else:
-      config = dataclasses.replace(target, num_layers=int(inner[name][len("layers"):]))
-    if config.vocab_size != target.vocab_size:
-      raise ValueError(f"vocabulary sizes differ: the target has {target.vocab_size} tokens, the draft "
-                       f"{name} {config.vocab_size}")
-    drafts.append((_draft_label(name, config, [label for label, _ in drafts]), config))
-  return Workload(
-      target=target, drafts=tuple(drafts), mesh_shape=tuple(arguments["mesh_shape"]),
-      batch=batch, prompt_length=spec.prompt_length or prompts.max_prompt_length,
-      max_new_tokens=decode.max_new_tokens, gamma=gamma if drafts else 0, top_k=decode.top_k,
-      skipped=tuple(name for name in drafter_names if name not in model_drafters))
-
-
 # ----------------------------------------------------------------------------------------------------
 # Abstract inputs and the compiled programs.
 
@@ -283,25 +100,17 @@ def abstract_params(config, mesh, dtype, strict: bool = False):
       models.param_shapes(config), shardings)
 
 
-def _kv_shape(config, batch: int, max_length: int) -> tuple:
-  if isinstance(config, t5.T5Config):
-    return (batch, max_length, config.num_heads, config.head_dim)
-  return (batch, max_length, config.num_kv_heads, config.head_dim)
-
-
-def replicated(name: str, config, mesh, batch: int, max_length: int) -> list[str]:
-  """What the rules leave whole on every device for this model: '<model> <where>: <axes>'."""
+def replicated(name: str, config, mesh, cache) -> list[str]:
+  """What the rules leave whole on every device for this model: '<model> <where>: <axes>'. cache: the
+  model's abstract KV cache."""
   found = {}
-  logical = models._family(config).param_logical_axes(config)  # pylint: disable=protected-access
-  shapes = models.param_shapes(config)
   is_spec = lambda x: isinstance(x, PartitionSpec)
-  for axes_, shape in zip(jax.tree_util.tree_leaves(logical, is_leaf=is_spec),
-                          jax.tree_util.tree_leaves(shapes)):
+  for axes_, shape in zip(jax.tree_util.tree_leaves(models.param_logical_axes(config), is_leaf=is_spec),
+                          jax.tree_util.tree_leaves(models.param_shapes(config))):
     for axis in sharding.replicated_axes(tuple(axes_), shape.shape, mesh):
       found[axis] = found.get(axis, 0) + 1
   notes = [f"{name} params: {axis} in {count} arrays" for axis, count in sorted(found.items())]
-  cache_axes = sharding.replicated_axes(kv_cache.LOGICAL_AXES, _kv_shape(config, batch, max_length),
-                                        mesh)
+  cache_axes = sharding.replicated_axes(kv_cache.LOGICAL_AXES, cache.keys[0].shape, mesh)
   if cache_axes:
     notes.append(f"{name} KV cache: {', '.join(cache_axes)}")
   return notes
@@ -351,7 +160,7 @@ def _compile(name: str, lower) -> tuple[dict, Any]:
 class _Planner:
   """Builds and compiles the programs of one Workload on one mesh at one dtype."""
 
-  def __init__(self, workload: Workload, mesh, dtype, strict: bool):
+  def __init__(self, workload: workload_lib.Workload, mesh, dtype, strict: bool):
     self.w, self.mesh, self.dtype, self.strict = workload, mesh, dtype, strict
     self.encoder_decoder = isinstance(workload.target, t5.T5Config)
     # T5's decoder prompt is its start token; the text is the source.
@@ -371,21 +180,31 @@ class _Planner:
     whole = NamedSharding(mesh, PartitionSpec())
     self.scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=whole)
     self.rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=whole)
+    self._params = {}
 
   def model(self, config):
     return models.model_for(config, self.mesh, self.dtype)
 
   def params(self, config):
-    return abstract_params(config, self.mesh, self.dtype, self.strict)
+    """Abstract sharded params, built once per model (tracing a 70B init takes seconds)."""
+    if config not in self._params:
+      self._params[config] = abstract_params(config, self.mesh, self.dtype, self.strict)
+    return self._params[config]
 
-  def cache_bytes(self, config) -> int:
-    """Per device: the KV cache (self-attention; T5's cross-attention K/V sit in the context)."""
-    shape = _kv_shape(config, self.w.batch, self.max_length)
-    spec = sharding.spec_for(kv_cache.LOGICAL_AXES, shape, self.mesh, self.strict,
-                             "the KV cache")
-    layers = config.num_decoder_layers if isinstance(config, t5.T5Config) else config.num_layers
-    shard = NamedSharding(self.mesh, spec).shard_shape(shape)
-    return 2 * layers * math.prod(shard) * jnp.dtype(self.dtype).itemsize
+  def cache(self, config):
+    """The model's empty KV cache as the loop allocates it, laid out by the rules."""
+    shape = jax.eval_shape(lambda: self.model(config).init_cache(self.w.batch, self.max_length))
+    return jax.tree_util.tree_map(self._placed, shape)
+
+  def _placed(self, leaf):
+    """K/V buffers [B, S, heads, D] by the cache's logical axes (strict: refused if they do not split),
+    per-row vectors by batch: how the model's constraints lay out a cache or a T5 context."""
+    if leaf.ndim == 4:
+      layout = NamedSharding(self.mesh, sharding.spec_for(
+          kv_cache.LOGICAL_AXES, leaf.shape, self.mesh, self.strict, "the KV cache"))
+    else:
+      layout = sharding.batch_sharding(self.mesh, self.w.batch, 1)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=layout)
 
   def prefill(self, config) -> dict:
     """Encode (T5) and score the prompt into a fresh cache: -> (last logits, context, cache), the
@@ -403,22 +222,11 @@ class _Planner:
         self.params(config), *self.inputs, self.source))[0]
 
   def decode_state(self, config):
-    """The abstract (context, cache) a step reads, laid out by the rules as the model's constraints
-    lay them out: K/V buffers [B, S, heads, D] by the cache's logical axes, per-row vectors by batch."""
+    """The abstract (context, cache) a step reads: the encoded source (T5; None otherwise) and the
+    cache, laid out as the model's constraints lay them out."""
     model = self.model(config)
-    context, cache = jax.eval_shape(
-        lambda params, source: (model.encode(params, source),
-                                model.init_cache(self.w.batch, self.max_length)),
-        self.params(config), self.source)
-    rows = sharding.batch_sharding(self.mesh, self.w.batch, 1)
-
-    def placed(leaf):
-      layout = (NamedSharding(self.mesh, sharding.spec_for(kv_cache.LOGICAL_AXES, leaf.shape,
-                                                           self.mesh))
-                if leaf.ndim == 4 else rows)
-      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=layout)
-
-    return jax.tree_util.tree_map(placed, (context, cache))
+    context = jax.eval_shape(model.encode, self.params(config), self.source)
+    return jax.tree_util.tree_map(self._placed, context), self.cache(config)
 
   def step(self, config, state, steps: int, name: str) -> dict:
     """One decode_step of `steps` tokens on the cache (donated: updated in place, as in the loop)."""
@@ -447,7 +255,7 @@ class _Planner:
     return _compile("loop", lambda: fn.lower(*args))[0]
 
 
-def plan(workload: Workload, devices: Devices, dtype_name: str = "float32",
+def plan(workload: workload_lib.Workload, devices: devices_lib.Devices, dtype_name: str = "float32",
          memory_bytes: int | None = None, strict: bool = False, programs=None) -> dict:
   """Compile every program of the workload at one dtype -> {"rows": [...], "fits": bool | None, ...}.
 
@@ -487,8 +295,11 @@ def plan(workload: Workload, devices: Devices, dtype_name: str = "float32",
 
   sized = {}
   for name, config in [("target", workload.target), *workload.drafts]:
-    sized[name] = (per_device_bytes(planner.params(config)), planner.cache_bytes(config))
-    notes += replicated(name, config, mesh, workload.batch, planner.max_length)
+    cache = planner.cache(config)
+    # The cache's lengths[B] are bookkeeping; its bytes are the K/V buffers.
+    sized[name] = (per_device_bytes(planner.params(config)),
+                   per_device_bytes((cache.keys, cache.values)))
+    notes += replicated(name, config, mesh, cache)
     is_target = name == "target"
     step_name = ("verify" if workload.drafts else "decode step") if is_target else "draft step"
     steps = workload.gamma + 1 if is_target and workload.drafts else 1
@@ -511,7 +322,7 @@ def plan(workload: Workload, devices: Devices, dtype_name: str = "float32",
           "fits": fits, "replicated": notes}
 
 
-def _program_names(workload: Workload):
+def _program_names(workload: workload_lib.Workload):
   yield "prefill"
   yield "verify" if workload.drafts else "decode step"
   for _ in workload.drafts:
@@ -543,10 +354,10 @@ def _collective_text(counts: dict | None) -> str:
 
 def _describe_model(name: str, config) -> str:
   count = sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(models.param_shapes(config)))
-  return f"{name}: {size_name(config) or config} ({count / 1e9:.2f}B params)"
+  return f"{name}: {models.size_name(config) or config} ({count / 1e9:.2f}B params)"
 
 
-def markdown(workload: Workload, result: dict) -> str:
+def markdown(workload: workload_lib.Workload, result: dict) -> str:
   """One plan (one dtype) as a markdown table with its header lines."""
   fits = {True: "yes", False: "NO", None: "-"}
   memory = result["memory_per_device"]
@@ -582,27 +393,18 @@ def markdown(workload: Workload, result: dict) -> str:
 # The command.
 
 
-def _simulate_cpu_devices(count: int) -> None:
-  """On CPU, make `count` simulated devices for the mesh, if jax has not started its backends yet."""
-  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
-  xla_flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" in xla_flags or xla_bridge.backends_are_initialized():
-    return
-  os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={count}".strip()
-
-
 def run_plan(spec: PlanSpec = PlanSpec(), output_dir: str | None = None) -> list[dict]:
   """Plan the parsed config's job at every dtype of `spec`; print the tables; write plan.md and
   plan.json to output_dir (process 0)."""
-  workload = workload_from_config(spec)
+  workload = workload_lib.from_config(spec.target_size, spec.draft_sizes, spec.prompt_length)
   if spec.topology:
     from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
     if not xla_bridge.backends_are_initialized():
       jax.config.update("jax_platforms", "cpu")  # the TPU compiler needs no local TPU
-    devices = tpu_devices(spec.topology)
+    devices = devices_lib.tpu_devices(spec.topology)
   else:
-    _simulate_cpu_devices(math.prod(workload.mesh_shape))
-    devices = local_devices()
+    devices_lib.simulate_cpu_devices(math.prod(workload.mesh_shape))
+    devices = devices_lib.local_devices()
   memory = None if spec.memory_gib is None else int(spec.memory_gib * GIB)
   results, text = [], []
   for dtype_name in spec.dtypes:

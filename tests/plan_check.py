@@ -12,14 +12,15 @@ import jax  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402
 
 from conftest import random_decoder_params  # noqa: E402
-from specjax import autoregressive, contracts, drafters, models, plan, sharding, speculative  # noqa: E402
+from specjax import (autoregressive, contracts, devices, drafters, models, plan, sharding,  # noqa: E402
+                     speculative, workload)
 from specjax.models import decoder_only  # noqa: E402
 
 TARGET = decoder_only.DecoderConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=8,
                                     num_kv_heads=4, head_dim=16, mlp_dim=128)
 DRAFT = decoder_only.DecoderConfig(vocab_size=256, embed_dim=32, num_layers=1, num_heads=4,
                                    num_kv_heads=4, head_dim=8, mlp_dim=64)
-WORKLOAD = plan.Workload(target=TARGET, drafts=(("draft", DRAFT),), mesh_shape=(2, 4), batch=4,
+WORKLOAD = workload.Workload(target=TARGET, drafts=(("draft", DRAFT),), mesh_shape=(2, 4), batch=4,
                          prompt_length=16, max_new_tokens=8, gamma=3)
 
 
@@ -30,7 +31,7 @@ def on_device(tree, device) -> int:
 
 
 def check_plan_equals_allocation():
-  result = plan.plan(WORKLOAD, plan.local_devices(), "float32")
+  result = plan.plan(WORKLOAD, devices.local_devices(), "float32")
   rows = {(row["model"], row["program"]): row for row in result["rows"]}
   assert set(rows) == {("target", "prefill"), ("target", "verify"), ("draft", "prefill"),
                        ("draft", "draft step"), ("target + draft", "loop")}, sorted(rows)
@@ -79,10 +80,10 @@ def check_plan_equals_allocation():
 
 
 def check_seventy_b_does_not_fit():
-  workload = plan.Workload(target=decoder_only.SIZES["llama2-70b"], drafts=(), mesh_shape=(1, 2),
+  seventy_b = workload.Workload(target=decoder_only.SIZES["llama2-70b"], drafts=(), mesh_shape=(1, 2),
                            batch=1, prompt_length=8, max_new_tokens=8, gamma=0)
-  devices = plan.Devices(tuple(jax.devices()[:2]), "2 cpu devices", None, False)
-  result = plan.plan(workload, devices, "bfloat16", memory_bytes=16 * plan.GIB,
+  two = devices.Devices(tuple(jax.devices()[:2]), "2 cpu devices", None, False)
+  result = plan.plan(seventy_b, two, "bfloat16", memory_bytes=16 * plan.GIB,
                      programs=("decode step",))
   (row,) = result["rows"]
   assert result["fits"] is False and row["fits"] is False, result
@@ -101,15 +102,15 @@ def check_errors():
       assert "does not divide the 8 devices" in str(error), error
     else:
       raise AssertionError(f"a {shape} mesh on 8 devices was accepted")
-  uneven = plan.Workload(target=decoder_only.SIZES["tiny"], drafts=(), mesh_shape=(1, 4), batch=1,
+  uneven = workload.Workload(target=decoder_only.SIZES["tiny"], drafts=(), mesh_shape=(1, 4), batch=1,
                          prompt_length=8, max_new_tokens=4, gamma=0)  # 2 KV heads over model=4
   try:
-    plan.plan(uneven, plan.local_devices(), "float32", strict=True)
+    plan.plan(uneven, devices.local_devices(), "float32", strict=True)
   except sharding.UnshardableError as error:
     assert "'model' mesh axis of size 4" in str(error) and "kv_heads" in str(error), error
   else:
     raise AssertionError("strict sharding accepted 2 KV heads over a 4-way model axis")
-  lenient = plan.plan(uneven, plan.local_devices(), "float32", programs=("prefill",))
+  lenient = plan.plan(uneven, devices.local_devices(), "float32", programs=("prefill",))
   assert "target KV cache: cache_kv_heads" in lenient["replicated"], lenient["replicated"]
   print("errors: mesh sizes, strict sharding")
 

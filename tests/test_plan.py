@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 from conftest import run_check_on_8_devices
-from specjax import models, plan, run
+from specjax import devices, models, plan, run, workload
 
 
 def test_plan_equals_what_a_run_allocates_and_seventy_b_does_not_fit_on_two_devices():
@@ -44,22 +44,23 @@ def _workload(config_file, *bindings):
   gin.clear_config()
   run.parse_gin([config_file], list(bindings))
   try:
-    return plan.workload_from_config(plan.PlanSpec())
+    spec = plan.PlanSpec()  # with the config's bindings
+    return workload.from_config(spec.target_size, spec.draft_sizes, spec.prompt_length)
   finally:
     gin.clear_config()
 
 
 def test_paper_configs_plan_the_papers_models():
   ende = _workload("configs/paper/leviathan_table2_ende.gin")
-  assert plan.size_name(ende.target) == "t5.1.1-xxl"
-  assert [plan.size_name(c) for _, c in ende.drafts] == ["t5.1.1-small", "t5.1.1-base", "t5.1.1-large"]
+  assert models.size_name(ende.target) == "t5.1.1-xxl"
+  assert [models.size_name(c) for _, c in ende.drafts] == ["t5.1.1-small", "t5.1.1-base", "t5.1.1-large"]
   assert (ende.mesh_shape, ende.batch, ende.gamma, ende.max_new_tokens) == ((1, 4), 1, 8, 64)
   chen = _workload("configs/paper/chen_table1_xsum_humaneval.gin")
-  assert plan.size_name(chen.target) == "llama2-70b" and chen.mesh_shape == (1, 16)
-  assert [plan.size_name(c) for _, c in chen.drafts] == ["chen-4b-draft"] and chen.gamma == 4
+  assert models.size_name(chen.target) == "llama2-70b" and chen.mesh_shape == (1, 16)
+  assert [models.size_name(c) for _, c in chen.drafts] == ["chen-4b-draft"] and chen.gamma == 4
   batched = _workload("configs/paper/batch64_v5p64.gin")
   assert (batched.mesh_shape, batched.batch, batched.gamma) == ((4, 8), 64, 4)
-  assert [plan.size_name(c) for _, c in batched.drafts] == ["chen-4b-draft"]
+  assert [models.size_name(c) for _, c in batched.drafts] == ["chen-4b-draft"]
   lenience = _workload("configs/paper/leviathan_table5_lenience.gin")
   assert lenience.skipped == ("unigram", "bigram")  # tables: nothing to compile
 
@@ -81,9 +82,9 @@ def test_parameter_bytes_per_device_equal_hand_arithmetic(size, model_axis, bill
 def test_unknown_topology_is_named():
   for name in ["v9-8", "v4", "tpu-v4-8", "v4:2x2"]:
     with pytest.raises(ValueError, match="unknown TPU topology"):
-      plan.tpu_devices(name)
+      devices.tpu_devices(name)
   with pytest.raises(ValueError, match="v4 slices here: v4-2, v4-8"):
-    plan.tpu_devices("v4-12")
+    devices.tpu_devices("v4-12")
 
 
 def test_tpu_topology_without_libtpu_names_the_extra(monkeypatch):
@@ -91,7 +92,7 @@ def test_tpu_topology_without_libtpu_names_the_extra(monkeypatch):
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *args: None if name == "libtpu" else real(name, *args))
   with pytest.raises(RuntimeError, match=r"pip install -e '\.\[tpu\]'"):
-    plan.tpu_devices("v4-8")
+    devices.tpu_devices("v4-8")
 
 
 def test_unreadable_architecture_names_the_binding():

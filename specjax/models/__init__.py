@@ -22,6 +22,11 @@ def config_by_name(name: str):
   return SIZES[name]
 
 
+def size_name(config) -> str | None:
+  """The name of a config in SIZES, if it is one of them."""
+  return next((name for name, known in SIZES.items() if known == config), None)
+
+
 def _family(config):
   if isinstance(config, decoder_only.DecoderConfig):
     return decoder_only
@@ -41,9 +46,12 @@ def param_shapes(config):
   return _family(config).param_shapes(config)
 
 
+def param_logical_axes(config):
+  """A tree shaped like the params whose leaves are PartitionSpecs of logical axis names."""
+  return _family(config).param_logical_axes(config)
+
+
 def param_shardings(config, mesh: Mesh, strict: bool = False):
   """NamedShardings for a config's parameter tree under the rules table (strict: see
   sharding.tree_shardings)."""
-  family = _family(config)
-  return sharding.tree_shardings(family.param_logical_axes(config), family.param_shapes(config),
-                                 mesh, strict)
+  return sharding.tree_shardings(param_logical_axes(config), param_shapes(config), mesh, strict)

@@ -178,7 +178,10 @@ def _example_inputs(config: DecoderConfig):
   return tokens, tokens, init_cache(config, 1, 2)
 
 
+@functools.lru_cache(maxsize=32)
 def _abstract_init(config: DecoderConfig):
+  """eval_shape of init (boxed: shapes and logical axes), cached: tracing an 80-layer model takes
+  seconds, and shapes, shardings and plans all ask for it."""
   return jax.eval_shape(DecoderOnly(config).init, jax.random.PRNGKey(0), *_example_inputs(config))
 
 

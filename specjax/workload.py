@@ -1,0 +1,126 @@
+"""What a decoding config runs, in shapes: its target and model drafts as architectures (no weights),
+mesh, batch and lengths. specjax.plan compiles it.
+
+Architectures are read from local checkpoints (config only), recognised from the public T5X names on
+gs:// (flan_t5_xxl, t5_1_1_small, ...), or named (one of specjax.models.SIZES) where the weights are
+not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pathlib
+import re
+from typing import Any
+
+import gin
+
+from specjax import checkpoints, loading, models
+from specjax.models import decoder_only, t5
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """What a config decodes, in shapes: the target, its model drafts, the mesh and the batch."""
+  target: Any
+  drafts: tuple  # ((drafter name, config), ...)
+  mesh_shape: tuple
+  batch: int
+  prompt_length: int  # decoder-only: the padded prompt; encoder-decoder: the padded source
+  max_new_tokens: int
+  gamma: int  # 0: no model draft, the autoregressive loop is planned
+  top_k: int = 0
+  skipped: tuple = ()  # drafters without a model (tables, lookup): nothing to plan
+
+
+# Public T5X checkpoints (gs://t5-data/pretrained_models/t5x/...) by directory name -> architecture.
+_PUBLIC_T5X = re.compile(r"(flan_t5|t5_1_1(?:_lm100k)?|t5)_(small|base|large|xl|xxl|3B|11B)(?:/|$)")
+
+
+def architecture(checkpoint: str, size: str | None = None, role: str = "target"):
+  """The config of a checkpoint without its weights: `size` when named, else what the checkpoint
+  says (local files), else the public T5X name in its path."""
+  if size is not None:
+    return models.config_by_name(size)
+  if checkpoint == loading.EMBEDDED_SMOLLM2:
+    return decoder_only.SIZES["smollm2-135m"]
+  named = _PUBLIC_T5X.search(checkpoint)
+  if named:
+    family, scale = named.groups()
+    if family == "t5":
+      return t5.SIZES[f"t5-{scale.lower()}"]
+    return t5.SIZES[f"t5.1.1-{scale}"]
+  fix = (f"name its architecture: plan.PlanSpec.{'target_size' if role == 'target' else 'draft_sizes'}"
+         f" (one of {', '.join(sorted(models.SIZES))})")
+  if "://" in checkpoint or not pathlib.Path(checkpoint).expanduser().exists():
+    raise ValueError(f"cannot read the architecture of the {role} {checkpoint!r} here; {fix}")
+  return checkpoints.read_config(pathlib.Path(checkpoint).expanduser())
+
+
+def _draft_label(name: str, config, taken: list) -> str:
+  """A short name for a draft in the tables: its architecture's ('t5.1.1-small draft'), else the
+  drafter's own name."""
+  known = models.size_name(config)
+  label = (known if known.endswith("draft") else f"{known} draft") if known else name
+  return label if label not in taken else f"{label} #{len(taken) + 1}"
+
+
+def _bindings(selector: str, function) -> dict:
+  """A gin configurable's arguments: its defaults overridden by the config's bindings."""
+  arguments = {name: parameter.default
+               for name, parameter in inspect.signature(function).parameters.items()
+               if parameter.default is not inspect.Parameter.empty}
+  arguments.update(gin.get_bindings(selector, resolve_references=True))
+  return arguments
+
+
+def from_config(target_size: str | None = None, draft_sizes: tuple = (),
+                prompt_length: int | None = None) -> Workload:
+  """The Workload of the parsed gin config's job (run.generate or speculative_sweep.sweep).
+  target_size / draft_sizes: architecture names for checkpoints not readable here (the draft sizes
+  follow the config's checkpoint drafts in order); prompt_length: None takes the config's
+  max_prompt_length, the longest input the run accepts."""
+  try:
+    job = gin.query_parameter("run.main.job")
+  except ValueError:
+    job = None
+  if not isinstance(job, gin.config.ConfigurableReference):
+    raise ValueError("the config binds no job (run.main.job); a plan covers the decoding jobs "
+                     "run.generate and speculative_sweep.sweep")
+  arguments = _bindings(job.configurable.selector, job.configurable.wrapped)
+  if not {"target", "prompts", "decode", "mesh_shape"} <= set(arguments):
+    raise ValueError(f"a plan covers the decoding jobs (run.generate, speculative_sweep.sweep), not "
+                     f"{job.configurable.name}")
+  target_spec, prompts, decode = arguments["target"], arguments["prompts"], arguments["decode"]
+  target = architecture(target_spec.checkpoint, target_size)
+  grid = arguments.get("grid")
+  if grid is not None:  # a sweep: every drafter at the largest gamma, one prompt at a time
+    drafter_names, gamma, batch = tuple(grid.drafters), max(grid.gammas), 1
+  else:  # run.generate: its batches, with its drafter if it names one
+    drafter = arguments.get("drafter")
+    drafter_names, gamma, batch = (() if drafter is None else (drafter,), arguments.get("gamma", 0),
+                                   prompts.batch_size)
+  inner = {name: re.sub(r"^(lookup\+)+", "", name) for name in drafter_names}  # lookup costs nothing
+  model_drafters = [name for name in drafter_names
+                    if inner[name].startswith("model:") or re.fullmatch(r"layers\d+", inner[name])]
+  checkpoint_drafts = [name for name in model_drafters if inner[name].startswith("model:")]
+  if draft_sizes and len(draft_sizes) != len(checkpoint_drafts):
+    raise ValueError(f"plan.PlanSpec.draft_sizes names {len(draft_sizes)} architectures but the "
+                     f"config has {len(checkpoint_drafts)} checkpoint drafts: {checkpoint_drafts}")
+  sizes = dict(zip(checkpoint_drafts, draft_sizes))
+  drafts = []
+  for name in model_drafters:
+    if inner[name].startswith("model:"):
+      config = architecture(inner[name][len("model:"):], sizes.get(name), role=f"draft {name!r}")
+    else:
+      config = dataclasses.replace(target, num_layers=int(inner[name][len("layers"):]))
+    if config.vocab_size != target.vocab_size:
+      raise ValueError(f"vocabulary sizes differ: the target has {target.vocab_size} tokens, the draft "
+                       f"{name} {config.vocab_size}")
+    drafts.append((_draft_label(name, config, [label for label, _ in drafts]), config))
+  return Workload(
+      target=target, drafts=tuple(drafts), mesh_shape=tuple(arguments["mesh_shape"]),
+      batch=batch, prompt_length=prompt_length or prompts.max_prompt_length,
+      max_new_tokens=decode.max_new_tokens, gamma=gamma if drafts else 0, top_k=decode.top_k,
+      skipped=tuple(name for name in drafter_names if name not in model_drafters))
