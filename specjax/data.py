@@ -11,6 +11,8 @@ Nothing is downloaded at run time (DESIGN.md, Assets); `specjax.assets` locates 
              summaries, and this is neither CNN/DailyMail nor XSum: a stand-in with real news text.
   ende       English -> German: the English messages of Django's German gettext catalog with their
              German translations as references. Short software strings, NOT WMT news translation.
+  gettext_ende  The same from all of Django's German catalogs (specjax.seq2seq_data), the embedded T5
+             experiment's evaluation messages: held out here = held out in its training task.
 
 Formatting (the `style` argument) is an explicit choice, because it changes what the target predicts
 and so the acceptance rate:
@@ -52,7 +54,8 @@ HELDOUT_PERCENT = 20
 
 NEWS_INSTRUCTION = "Summarize the following news article.\n\n"
 ENDE_INSTRUCTION = "Translate to German: "
-T5_PREFIXES = {"news": "summarize: ", "ende": "translate English to German: "}
+T5_PREFIXES = {"news": "summarize: ", "ende": "translate English to German: ",
+               "gettext_ende": "translate English to German: "}
 
 DESCRIPTIONS = {
     "humaneval": "HumanEval (Chen et al. 2021): 164 Python problems; prompt = code to complete, "
@@ -61,6 +64,10 @@ DESCRIPTIONS = {
             "reference summaries; not CNN/DailyMail or XSum.",
     "ende": "Translate to German: English messages of Django's German gettext catalog, references = "
             "Django's German translations. Short software strings; not WMT.",
+    "gettext_ende": "Translate to German: the English messages of all of Django's German catalogs "
+                    "(core and contrib apps, placeholders kept), references = Django's German "
+                    "translations; the embedded T5 experiment's evaluation set (its held-out split is "
+                    "never trained on, in any locale). Short software strings; not WMT.",
 }
 
 
@@ -91,10 +98,15 @@ class PromptSet:
     return len(self.prompts)
 
 
+def hash_percent(source_text: str) -> int:
+  """A stable bucket 0..99 of a text: the first 8 bytes of its SHA-256 modulo 100."""
+  digest = hashlib.sha256(source_text.encode("utf-8")).digest()
+  return int.from_bytes(digest[:8], "big") % 100
+
+
 def is_heldout(source_text: str) -> bool:
   """Whether an item belongs to the held-out split (about HELDOUT_PERCENT percent of items)."""
-  digest = hashlib.sha256(source_text.encode("utf-8")).digest()
-  return int.from_bytes(digest[:8], "big") % 100 < HELDOUT_PERCENT
+  return hash_percent(source_text) < HELDOUT_PERCENT
 
 
 # ---- raw sources ------------------------------------------------------------------------------------
@@ -130,7 +142,7 @@ def django_de_pairs() -> tuple[tuple[str, str], ...]:
   translation wins; context-only duplicates such as month abbreviations are dropped).
   """
   pairs, seen = [], set()
-  for entry in _parse_po(assets.django_de_po_path().read_text(encoding="utf-8")):
+  for entry in parse_po(assets.django_de_po_path().read_text(encoding="utf-8")):
     english, german = entry.get("msgid", ""), entry.get("msgstr", "")
     if (not english.strip() or not german.strip() or "msgid_plural" in entry
         or entry.get("obsolete") or "fuzzy" in entry.get("flags", ())
@@ -142,7 +154,7 @@ def django_de_pairs() -> tuple[tuple[str, str], ...]:
   return tuple(pairs)
 
 
-def _parse_po(text: str) -> list[dict]:
+def parse_po(text: str) -> list[dict]:
   """A gettext .po catalog -> entries {'msgid', 'msgstr' | 'msgstr[n]', 'msgctxt', 'msgid_plural',
   'flags': set, 'obsolete': bool} with strings unescaped and continuation lines joined."""
   entries, entry, keyword = [], {}, None
@@ -240,6 +252,9 @@ def _items(name: str) -> list[tuple[str, str, str | None]]:
     return [(p["task_id"], p["prompt"], p["canonical_solution"]) for p in humaneval_problems()]
   if name == "news":
     return [(key, article, None) for key, article in lee_articles()]
+  if name == "gettext_ende":
+    from specjax import seq2seq_data  # pylint: disable=import-outside-toplevel  # it imports this module
+    return seq2seq_data.evaluation_items()
   return [(english, english, german) for english, german in django_de_pairs()]  # "ende"
 
 

@@ -39,14 +39,14 @@ import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import logging
 
 from specjax import checkpoints, outputs, run
 from specjax.checkpoints import hf
 from specjax.models import decoder_only
 from specjax.teacher import Sequences, TeacherSpec, load_teacher_data, split_validation
-from specjax.training import TrainSpec, fit, make_optimizer
+from specjax.training import (TrainSpec, fit, loss_logger, make_optimizer, make_train_step,
+                              per_position)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,27 +198,17 @@ class Trainer:
       kl, _, _ = distill_terms(forward(params, batch["tokens"]), batch)
       return (kl * batch["mask"]).sum() / jnp.maximum(batch["mask"].sum(), 1.0)
 
-    def train_step(params, opt_state, batch):
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      updates, opt_state = self.optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
-
     def eval_step(params, batch):
       kl, agree, overlap = distill_terms(forward(params, batch["tokens"]), batch)
       mask = batch["mask"]
       return {"kl": (kl * mask).sum(), "top1_agreement": (agree * mask).sum(),
               "overlap": (overlap * mask).sum(), "positions": mask.sum()}
 
-    self.train_step = jax.jit(train_step, donate_argnums=(0, 1))
+    self.train_step = make_train_step(loss_fn, self.optimizer)
     self.eval_step = jax.jit(eval_step)
 
   def evaluate(self, params, batches) -> dict:
-    totals = {}
-    for batch in batches:
-      for name, value in self.eval_step(params, batch).items():
-        totals[name] = totals.get(name, 0.0) + float(value)
-    positions = max(totals.pop("positions"), 1.0)
-    return {name: value / positions for name, value in totals.items()} | {"positions": positions}
+    return per_position(self.eval_step, params, batches)
 
 
 # ---- the whole run ----------------------------------------------------------------------------------
@@ -303,16 +293,9 @@ def _train(output_dir: pathlib.Path, loss_log: outputs.RowsFile, spec: dict, tar
   before = trainer.evaluate(decoder_only.model_params(init_params), val_batches)
   logging.info("held-out before training: %s", before)
   fit_start = time.perf_counter()
-  logged = {row["step"] for row in loss_log.existing}  # a resumed run redoes identical steps
-
-  def log_loss(step, loss):
-    if step not in logged:
-      loss_log.append({"step": step, "loss": loss})
-      logged.add(step)
-
   params, _ = fit(trainer, decoder_only.model_params(init_params), train_batches, seed,
                   output_dir / "checkpoints", stop_after_step=stop_after_step,
-                  desc="train draft", on_loss=log_loss)
+                  desc="train draft", on_loss=loss_logger(loss_log))
   if stop_after_step is not None and stop_after_step < training.steps:
     logging.info("stopped after step %d as asked; rerun to resume", stop_after_step)
     return {"stopped_after_step": stop_after_step}

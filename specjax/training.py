@@ -106,6 +106,19 @@ def _restore_latest_intact(checkpoint_dir: pathlib.Path, spec: TrainSpec, state)
                       aside)
 
 
+def _on_params_mesh(state, params):
+  """The optimizer's scalars (step counts) replicated on the mesh the parameters are sharded over:
+  optax creates them on the default device, and one jitted step cannot mix the two."""
+  meshes = {leaf.sharding.mesh for leaf in jax.tree_util.tree_leaves(params)
+            if isinstance(leaf.sharding, jax.sharding.NamedSharding)}
+  if len(meshes) != 1:
+    return state
+  replicated = jax.sharding.NamedSharding(meshes.pop(), jax.sharding.PartitionSpec())
+  return jax.tree_util.tree_map(
+      lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding) else
+      jax.device_put(x, replicated), state)
+
+
 def fit(trainer, params, train_batches, seed: int, checkpoint_dir, *,
         stop_after_step: int | None = None, desc: str = "train", on_loss=None):
   """Train trainer.spec.steps steps from the newest intact checkpoint in checkpoint_dir (or from
@@ -116,7 +129,7 @@ def fit(trainer, params, train_batches, seed: int, checkpoint_dir, *,
   steps and at the end (a run's loss log). Returns (params, losses of this run)."""
   spec = trainer.spec
   params = jax.tree_util.tree_map(jnp.asarray, params)
-  state = {"params": params, "opt_state": trainer.optimizer.init(params)}
+  state = _on_params_mesh({"params": params, "opt_state": trainer.optimizer.init(params)}, params)
   with _quiet_absl():
     manager, start, state = _restore_latest_intact(pathlib.Path(checkpoint_dir).absolute(), spec,
                                                    state)
@@ -133,7 +146,7 @@ def fit(trainer, params, train_batches, seed: int, checkpoint_dir, *,
       params, opt_state, loss = trainer.train_step(params, opt_state, batch)
       if (step + 1) % 10 == 0 or step + 1 == end:
         losses.append((step + 1, float(loss)))
-        bar.set_postfix(kl=f"{losses[-1][1]:.3f}")
+        bar.set_postfix(loss=f"{losses[-1][1]:.3f}")
         if on_loss is not None:
           on_loss(*losses[-1])
       if (step + 1) % spec.checkpoint_every == 0 or step + 1 == end:
@@ -144,3 +157,40 @@ def fit(trainer, params, train_batches, seed: int, checkpoint_dir, *,
   with _quiet_absl():
     manager.wait_until_finished()
   return params, losses
+
+
+def make_train_step(loss_fn, optimizer):
+  """The jitted step `(params, opt_state, batch) -> (params, opt_state, loss)` of a loss
+  `loss_fn(params, batch)`; params and optimizer state are donated (updated in place)."""
+
+  def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def per_position(eval_step, params, batches) -> dict:
+  """Sums of `eval_step(params, batch)` (a dict with 'positions') over batches, divided by the
+  positions: per-token means of a validation set, and the positions counted."""
+  totals = {}
+  for batch in batches:
+    for name, value in eval_step(params, batch).items():
+      totals[name] = totals.get(name, 0.0) + float(value)
+  positions = max(totals.pop("positions"), 1.0)
+  return {name: value / positions for name, value in totals.items()} | {"positions": positions}
+
+
+def loss_logger(loss_log):
+  """on_loss for `fit` writing {'step', 'loss'} rows once: a resumed run redoes identical steps
+  whose rows the log already holds."""
+  logged = {row["step"] for row in loss_log.existing}
+
+  def log_loss(step, loss):
+    if step not in logged:
+      loss_log.append({"step": step, "loss": loss})
+      logged.add(step)
+
+  return log_loss
+

@@ -133,7 +133,7 @@ def test_parse_po_handles_escapes_continuations_and_flags():
       'msgstr ""', '"Sag \\"hallo\\""', '"\\n"', '',
       'msgid "One file"', 'msgid_plural "%d files"', 'msgstr[0] "Eine Datei"', 'msgstr[1] "%d Dateien"',
   ])
-  entries = data._parse_po(text)
+  entries = data.parse_po(text)
   assert [e["msgid"] for e in entries] == ["", "Fuzzy", "May", 'Say "hi"\n', "One file"]
   assert entries[0]["msgstr"] == "Language: de\n"
   assert entries[1]["flags"] == {"fuzzy"}

@@ -212,6 +212,103 @@ def test_plots_are_png(results, tmp_path):
   assert plots.plot_all([], tmp_path / "none") == []
 
 
+GRID_TASKS, GRID_TEMPS, GRID_GAMMAS = ("gettext_ende", "code"), (0.0, 1.0), (1, 3, 5)
+GRID_DRAFTERS = {"model:ckpt/draft-wide": (0.7, 0.05), "bigram": (0.2, 0.0), "lookup": (0.4, 0.01)}
+
+
+def grid_rows():
+  """2 tasks x 2 temperatures x 3 drafters x 3 gammas, as the engine writes them: decode speedup and
+  Thm 3.8 with v on every row; speedups that differ per (task, temperature, drafter, gamma)."""
+  out = []
+  for t, task in enumerate(GRID_TASKS):
+    for temp in GRID_TEMPS:
+      for d, (drafter, (alpha, c)) in enumerate(GRID_DRAFTERS.items()):
+        for g in GRID_GAMMAS:
+          out.append(row(task, drafter, temp, g, alpha - 0.1 * temp, 1.0 + 0.1 * g, c=c,
+                         decode_speedup=1.1 + 0.1 * g + 0.01 * d + 0.001 * t - 0.02 * temp,
+                         verify_cost=1.3, predicted_speedup_with_verify_cost=0.9 + 0.05 * g))
+  return out
+
+
+def lines(ax, gid):
+  return [line for line in ax.get_lines() if line.get_gid() == gid]
+
+
+def test_speedup_small_multiples_structure():
+  """One panel per (task, temperature), a colour per drafter kept across panels, the Thm 3.8 curves
+  beside each measured line, and Leviathan's EnDe points on the gettext_ende panels only."""
+  rows = grid_rows()
+  fig = plots.speedup_figure(rows)
+  axes = {ax.get_title(): ax for ax in fig.axes}
+  assert sorted(axes) == ["code · T=1", "code · greedy", "gettext_ende (EnDe stand-in) · T=1",
+                          "gettext_ende (EnDe stand-in) · greedy"]
+  assert all(fig.axes[0].get_shared_y_axes().joined(fig.axes[0], ax) for ax in fig.axes)  # one y axis
+  colours = {}
+  for title, ax in axes.items():
+    measured = lines(ax, "measured")
+    assert sorted(l.get_label() for l in measured) == sorted(GRID_DRAFTERS)
+    for line in measured:
+      assert colours.setdefault(line.get_label(), line.get_color()) == line.get_color(), title
+      assert list(line.get_xdata()) == list(GRID_GAMMAS)
+    for gid, style in (("thm38", "--"), ("thm38_v", ":")):
+      predicted = lines(ax, gid)
+      assert {l.get_linestyle() for l in predicted} == {style}
+      assert {l.get_label(): l.get_color() for l in predicted} == {
+          l.get_label(): l.get_color() for l in measured}
+    assert [list(l.get_ydata()) for l in lines(ax, "1x")] == [[1.0, 1.0]]
+  assert len(set(colours.values())) == len(GRID_DRAFTERS)
+  # measured = the decode speedup (the rows have it); dashed = Thm 3.8 at the setting's alpha, c
+  ende_greedy = axes["gettext_ende (EnDe stand-in) · greedy"]
+  wide = next(l for l in lines(ende_greedy, "measured") if l.get_label() == "model:ckpt/draft-wide")
+  assert list(wide.get_ydata()) == pytest.approx([1.1 + 0.1 * g for g in GRID_GAMMAS])
+  curve = next(l for l in lines(ende_greedy, "thm38") if l.get_label() == "model:ckpt/draft-wide")
+  assert dict(zip(curve.get_xdata(), curve.get_ydata()))[3] == pytest.approx(thm38(0.7, 3, 0.05))
+  dotted = next(l for l in lines(ende_greedy, "thm38_v") if l.get_label() == "bigram")
+  assert list(dotted.get_ydata()) == pytest.approx([0.9 + 0.05 * g for g in GRID_GAMMAS])
+  assert "decode speedup" in fig.get_supylabel()
+  # Leviathan Table 2's EnDe rows at each temperature, on the EnDe stand-in only
+  paper = {t: sorted((l.get_label(), l.get_xdata()[0], l.get_ydata()[0]) for l in lines(ax, "paper"))
+           for t, ax in axes.items()}
+  assert paper["gettext_ende (EnDe stand-in) · greedy"] == [
+      ("paper: T5-base", 7, 2.8), ("paper: T5-large", 7, 1.7), ("paper: T5-small", 7, 3.4)]
+  assert paper["gettext_ende (EnDe stand-in) · T=1"] == [
+      ("paper: T5-base", 5, 2.4), ("paper: T5-large", 3, 1.4), ("paper: T5-small", 7, 2.6)]
+  assert paper["code · greedy"] == paper["code · T=1"] == []
+  assert all(l.get_markerfacecolor() == "none" for ax in axes.values() for l in lines(ax, "paper"))
+  # one legend for the figure, naming every drafter once and the paper's drafts
+  assert len(fig.legends) == 1
+  legend = [t.get_text() for t in fig.legends[0].get_texts()]
+  assert sorted(set(GRID_DRAFTERS) & set(legend)) == sorted(GRID_DRAFTERS)
+  assert {"paper: T5-small", "paper: T5-base", "paper: T5-large"} <= set(legend)
+
+
+def test_acceptance_small_multiples_share_the_colours():
+  rows = grid_rows()
+  speed = {l.get_label(): l.get_color() for l in lines(plots.speedup_figure(rows).axes[0], "measured")}
+  fig = plots.acceptance_figure(rows)
+  assert len(fig.axes) == len(GRID_TASKS) * len(GRID_TEMPS)
+  for ax in fig.axes:
+    measured = lines(ax, "measured")
+    assert {l.get_label(): l.get_color() for l in measured} == {
+        f"{d} (gamma 5)": c for d, c in speed.items()}
+    assert len(lines(ax, "alpha_i")) == len(GRID_DRAFTERS)
+
+
+def test_speedup_panels_end_to_end_and_chen(results):
+  """Rows without a decode figure plot the end-to-end speedup and say so; a missing (task, sampling)
+  leaves no panel; Chen's HumanEval point appears at its own sampling (top-p 0.95) at K = 4."""
+  fig = plots.speedup_figure(results)
+  assert "end-to-end" in fig.get_supylabel()
+  axes = {ax.get_title(): ax for ax in fig.axes}
+  # one title too long for its panel puts the sampling on a second line in every panel
+  assert sorted(axes) == ["ende (EnDe stand-in)\nT=1", "ende (EnDe stand-in)\ngreedy",
+                          "humaneval (HumanEval stand-in)\nT=0.8, top-p 0.95"]
+  chen = lines(axes["humaneval (HumanEval stand-in)\nT=0.8, top-p 0.95"], "paper")
+  assert [(l.get_label(), l.get_xdata()[0], l.get_ydata()[0]) for l in chen] == [
+      ("paper: Chen HumanEval p=0.95, temp 0.8", 4, 2.46)]
+  assert plots.speedup_figure([]) is None and plots.acceptance_figure([]) is None
+
+
 # ----- sweep runner -----
 
 POINTS = sweep.grid(task=["ende"], temperature=[0.0, 1.0], gamma=[1, 3, 5])

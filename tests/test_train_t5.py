@@ -1,0 +1,142 @@
+"""`specjax.train`: a tiny T5 on the offline gettext task learns, resumes exactly, exports losslessly
+(T5X and Hugging Face), fine-tunes, and refuses bad input with the fix in the message."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from specjax import checkpoints, seq2seq_data, train, training
+from specjax import vocabulary as vocabularies
+from specjax.models import t5
+
+SHAPE = train.T5Shape(embed_dim=32, num_encoder_layers=1, num_decoder_layers=1, num_heads=2,
+                      head_dim=16, mlp_dim=64)
+SPEC = training.TrainSpec(steps=30, tokens_per_batch=512, learning_rate=1e-2, warmup_steps=5,
+                          checkpoint_every=10, bucket=16)
+
+
+@pytest.fixture(scope="module")
+def vocabulary_path(tmp_path_factory):
+  path = tmp_path_factory.mktemp("vocab") / "spiece.model"
+  vocabularies.train(seq2seq_data.texts_for_vocabulary("gettext_ende"), path, 400)
+  return str(path)
+
+
+def _task(vocabulary_path, **overrides):
+  fields = dict(task="gettext_ende", vocabulary=vocabulary_path, max_input_length=32,
+                max_target_length=32)
+  return train.TaskSpec(**{**fields, **overrides})
+
+
+def _train(output_dir, vocabulary_path, spec=SPEC, **kwargs):
+  kwargs.setdefault("task", _task(vocabulary_path))
+  return train.train(output_dir=str(output_dir), model=SHAPE, training=spec, **kwargs)
+
+
+def test_batches_hold_every_example_once_in_few_shapes():
+  pairs = [([5] * n, [6] * (n % 7 + 1)) for n in range(1, 60)]
+  batches = train.make_batches(pairs, tokens_per_batch=256, bucket=16)
+  assert {b["inputs"].shape for b in batches} <= {(16, 16), (8, 32), (5, 48), (4, 64)}
+  # Each example once: the mask counts its target tokens, the input lengths its source tokens.
+  assert sum(b["mask"].sum() for b in batches) == sum(len(o) for _, o in pairs)
+  assert sorted(l for b in batches for l, m in zip(b["input_lengths"], b["mask"]) if m.any()) == \
+      sorted(len(i) for i, _ in pairs)
+  first = batches[0]  # decoder inputs are the targets shifted right behind the start token
+  row = int(np.argmax(first["mask"].sum(1)))
+  n = int(first["mask"][row].sum())
+  assert first["decoder_inputs"][row, 0] == 0
+  np.testing.assert_array_equal(first["decoder_inputs"][row, 1:n], first["targets"][row, :n - 1])
+
+
+def test_training_lowers_validation_loss_and_exports(tmp_path, vocabulary_path):
+  summary = _train(tmp_path / "run", vocabulary_path,
+                   task=_task(vocabulary_path, evaluation_limit=16))
+  before, after = summary["validation_before"], summary["validation_after"]
+  assert after["loss"] < before["loss"] - 1.0, (before, after)
+  assert summary["evaluation"]["examples"] == 16 and 0.0 <= summary["evaluation"]["chrf"] <= 100
+  # Export round trip: the HF and T5X exports load to the same parameters as the last checkpoint.
+  hf_config, hf_params = checkpoints.load(tmp_path / "run" / "hf")
+  t5x_config, t5x_params = checkpoints.load(summary["t5x_export"])
+  assert hf_config == t5x_config == t5.T5Config(**summary["config"])
+  from specjax.training import _checkpoint_manager  # the orbax state training ended with
+  manager = _checkpoint_manager(tmp_path / "run" / "checkpoints", SPEC)
+  final = manager.restore(SPEC.steps)["params"]
+  for exported in (hf_params, t5x_params):
+    jax.tree_util.tree_map(np.testing.assert_array_equal, exported, jax.device_get(final))
+  assert (tmp_path / "run" / "hf" / "spiece.model").read_bytes() == open(vocabulary_path, "rb").read()
+  # A finished directory is reused: nothing retrains.
+  assert _train(tmp_path / "run", vocabulary_path,
+                task=_task(vocabulary_path, evaluation_limit=16)) == summary
+
+
+def test_hf_export_runs_in_transformers(tmp_path, vocabulary_path):
+  torch = pytest.importorskip("torch")
+  from transformers import T5ForConditionalGeneration
+  _train(tmp_path / "run", vocabulary_path, spec=dataclasses.replace(SPEC, steps=10))
+  config, params = checkpoints.load(tmp_path / "run" / "hf")
+  model = T5ForConditionalGeneration.from_pretrained(tmp_path / "run" / "hf").eval()
+  vocab = vocabularies.SentencePieceVocabulary.from_file(vocabulary_path)
+  pair = train.tokenized(_task(vocabulary_path), "validation", vocab, vocabulary_path, limit=1)[0]
+  batch = train.make_batches([pair], 64, 16)[0]
+  ours = np.asarray(train.teacher_forced_logits(t5.model(config), params, batch))[0, :len(pair[1])]
+  with torch.no_grad():
+    theirs = model(input_ids=torch.tensor([pair[0]]),
+                   decoder_input_ids=torch.tensor(batch["decoder_inputs"][:1, :len(pair[1])])).logits
+  np.testing.assert_allclose(ours, theirs[0].numpy(), atol=2e-4, rtol=2e-4)
+
+
+def test_interrupted_training_resumes_to_identical_parameters(tmp_path, vocabulary_path):
+  whole = _train(tmp_path / "whole", vocabulary_path)
+  assert _train(tmp_path / "cut", vocabulary_path, stop_after_step=20) == {"stopped_after_step": 20}
+  resumed = _train(tmp_path / "cut", vocabulary_path)
+  _, a = checkpoints.load(tmp_path / "whole" / "hf")
+  _, b = checkpoints.load(tmp_path / "cut" / "hf")
+  jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)  # bit-identical
+  assert whole["loss_curve"] == resumed["loss_curve"]
+
+
+def test_fine_tuning_starts_from_the_checkpoint(tmp_path, vocabulary_path):
+  _train(tmp_path / "base", vocabulary_path, spec=dataclasses.replace(SPEC, steps=10))
+  tuned = _train(tmp_path / "tuned", vocabulary_path, spec=dataclasses.replace(SPEC, steps=10),
+                 init_checkpoint=str(tmp_path / "base" / "hf"))
+  scratch = json.loads((tmp_path / "base" / "summary.json").read_text())
+  # It starts where the base model ended, not from a random init.
+  assert tuned["validation_before"]["loss"] == pytest.approx(scratch["validation_after"]["loss"],
+                                                             rel=1e-5)
+
+
+def test_bad_input_is_refused_with_the_fix(tmp_path, vocabulary_path):
+  with pytest.raises(ValueError, match="not registered|unknown|offline tasks"):
+    _train(tmp_path / "a", vocabulary_path, task=_task(vocabulary_path, task="wmt_klingon"))
+  assert not (tmp_path / "a").exists()  # refused before the directory was touched
+  _train(tmp_path / "base", vocabulary_path, spec=dataclasses.replace(SPEC, steps=10))
+  base = str(tmp_path / "base" / "hf")
+  # A checkpoint of another size than the config fine-tunes.
+  with pytest.raises(ValueError, match=r"not the T5 this config fine-tunes: embed_dim 32 \(asked 512"):
+    train.train(output_dir=str(tmp_path / "b"), task=_task(vocabulary_path),
+                model=train.T5Shape(size="t5.1.1-small"), training=SPEC, init_checkpoint=base)
+  # A vocabulary with more ids than the model has logits.
+  bigger = tmp_path / "bigger.model"
+  vocabularies.train(seq2seq_data.texts_for_vocabulary("gettext_ende"), bigger, 600)
+  with pytest.raises(ValueError, match="600 ids .* but the model has only 400 logits"):
+    _train(tmp_path / "c", vocabulary_path, task=_task(str(bigger)), init_checkpoint=base)
+  with pytest.raises(FileNotFoundError, match="no SentencePiece model"):
+    _train(tmp_path / "d", vocabulary_path, task=_task(str(tmp_path / "missing.model")))
+
+
+def test_sharded_training_matches_one_device():
+  from conftest import run_check_on_8_devices
+  assert "losses" in run_check_on_8_devices("sharded_train_check.py")
+
+
+def test_seqio_task_trains_like_the_offline_one(tmp_path, vocabulary_path):
+  pytest.importorskip("seqio")
+  summary = _train(tmp_path / "seqio", vocabulary_path, spec=dataclasses.replace(SPEC, steps=2),
+                   task=_task(vocabulary_path, task="specjax_gettext_ende"))
+  offline = train.tokenized(_task(vocabulary_path), "train",
+                            vocabularies.SentencePieceVocabulary.from_file(vocabulary_path),
+                            vocabulary_path)
+  assert summary["train_examples"] == len(offline) == 666
