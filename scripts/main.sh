@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# Quick start, part 1: set up, obtain the trained draft, then run the main job on the embedded default
-# (SmolLM2 target, CPU). The draft is trained on the first run (configs/smollm2_draft.gin, with
-# progress and ETA) and reused from out/smollm2_draft afterwards.
-# Extra arguments go to specjax.run, e.g. --gin_bindings='run.DecodeSpec.max_new_tokens = 64'.
+# Quick start, part 1: set up, obtain the trained models, then run the main job on the embedded
+# defaults (CPU): the SmolLM2 sweep, then the T5 sweep.
+#  - the SmolLM2 draft is distilled on the first run (configs/smollm2_draft.gin) and reused from
+#    out/smollm2_draft afterwards;
+#  - the T5 experiment's target and three drafts are trained on the first run (configs/t5_gettext/*.gin,
+#    Django's gettext catalogs) and reused from out/t5_gettext afterwards.
+# Every step shows progress with an ETA; a killed run resumes where it stopped.
+# Extra arguments go to the SmolLM2 sweep, e.g. --gin_bindings='run.DecodeSpec.max_new_tokens = 64'.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m specjax.train_draft --gin_file=configs/smollm2_draft.gin
-exec .venv/bin/python -m specjax.run --gin_file=configs/smollm2_default.gin "$@"
+for model in target draft_small draft_base draft_large; do
+  .venv/bin/python -m specjax.train --gin_file="configs/t5_gettext/$model.gin"
+done
+.venv/bin/python -m specjax.run --gin_file=configs/smollm2_default.gin "$@"
+exec .venv/bin/python -m specjax.run --gin_file=configs/t5_gettext/sweep.gin

@@ -133,12 +133,15 @@ def tokenized(task_spec: TaskSpec, split: str, vocab, vocabulary_path, limit=Non
            _truncate(o, task_spec.max_target_length, vocab.eos_id)) for i, o in pairs if len(o)]
 
 
-def make_batches(pairs, tokens_per_batch: int, bucket: int, decoder_start_id: int = 0) -> list[dict]:
-  """Length-bucketed batches: examples sorted by their longer side, cut into batches of one padded
-  width L (a multiple of `bucket`) and tokens_per_batch // L rows, the last batch of a width padded
-  with empty rows (mask 0), so every width compiles once."""
-  order = sorted(range(len(pairs)), key=lambda i: (max(map(len, pairs[i])), i))
+def make_batches(pairs, tokens_per_batch: int, bucket: int, decoder_start_id: int = 0,
+                 seed: int = 0) -> list[dict]:
+  """Length-bucketed batches: examples grouped by their longer side's padded width L (a multiple of
+  `bucket`), in a seeded random order within a width (a task lists its examples grouped, e.g. by
+  language: batches must mix them), cut into batches of tokens_per_batch // L rows, the last batch
+  of a width padded with empty rows (mask 0), so every width compiles once."""
   width_of = lambda i: -(-max(map(len, pairs[i])) // bucket) * bucket
+  shuffled = np.random.default_rng(seed).permutation(len(pairs))
+  order = sorted(range(len(pairs)), key=lambda i: (width_of(i), shuffled[i]))
   batches, start = [], 0
   while start < len(order):
     width = width_of(order[start])
@@ -216,6 +219,11 @@ class Trainer:
 def obtain_vocabulary(task_spec: TaskSpec, output_dir: pathlib.Path):
   """-> (vocabulary, its path): the given one, or one trained on the training text into
   output_dir/spiece.model (kept across resumes: the trained file is reused)."""
+  if task_spec.vocabulary is not None and "://" in task_spec.vocabulary:
+    local = output_dir / "spiece.model"  # a copy, which travels with the model's exports
+    if not local.is_file():
+      local.write_bytes(t5x.read_file(task_spec.vocabulary))
+    return vocabularies.SentencePieceVocabulary.from_file(local, task_spec.extra_ids), local
   if task_spec.vocabulary is not None:
     path = pathlib.Path(task_spec.vocabulary)
     return vocabularies.SentencePieceVocabulary.from_file(path, task_spec.extra_ids), path
@@ -294,15 +302,16 @@ def train(output_dir: str = "out/t5_gettext/target", task: TaskSpec = TaskSpec()
   check_task(task.task)  # a task that does not exist fails before the directory is touched
   if task.evaluation_limit:
     check_task(task.evaluation_task)
-  if task.vocabulary is not None and not pathlib.Path(task.vocabulary).is_file():
+  remote = task.vocabulary is not None and "://" in task.vocabulary
+  if task.vocabulary is not None and not remote and not pathlib.Path(task.vocabulary).is_file():
     raise FileNotFoundError(f"no SentencePiece model at {task.vocabulary}; give TaskSpec.vocabulary "
                             "an existing file, or None to train one on the task's training text")
   spec = {"task": dataclasses.asdict(task), "model": dataclasses.asdict(model),
           "training": dataclasses.asdict(training), "init_checkpoint": init_checkpoint, "seed": seed,
           "mesh_shape": list(mesh_shape),
           "content_keys": {name: checkpoints.content_key(path) for name, path in
-                           (("vocabulary", task.vocabulary), ("init_checkpoint", init_checkpoint))
-                           if path is not None}}
+                           (("vocabulary", None if remote else task.vocabulary),
+                            ("init_checkpoint", init_checkpoint)) if path is not None}}
   with outputs.RunDirectory(output_dir, spec, "train_log.jsonl", "spec_fingerprint",
                             gin.config_str(), other_results=("checkpoints", "hf", "t5x")) as run_dir, \
        outputs.RowsFile(run_dir.results, run_dir.fingerprint, "spec_fingerprint",
@@ -326,7 +335,7 @@ def _train(output_dir: pathlib.Path, loss_log, task: TaskSpec, shape: T5Shape, t
     raise ValueError(f"{task.task} gave {len(train_pairs)} training and {len(val_pairs)} validation "
                      "examples; both splits need some")
   train_batches = make_batches(train_pairs, training.tokens_per_batch, training.bucket,
-                               config.decoder_start_id)
+                               config.decoder_start_id, seed)
   val_batches = make_batches(val_pairs, training.tokens_per_batch, training.bucket,
                              config.decoder_start_id)
   data_seconds = time.perf_counter() - started

@@ -30,6 +30,12 @@ def test_every_config_parses_and_binds(config):
     for spec in ("DraftShape", "TeacherSpec", "TrainSpec"):  # every binding names a real field
       gin.get_configurable(getattr(train_draft, spec))()
     return
+  if "train.train" in config.read_text():  # python -m specjax.train configs (T5 training)
+    from specjax import train  # pylint: disable=import-outside-toplevel
+    assert {"output_dir", "task", "model", "training"} <= set(gin.get_bindings(train.train))
+    for spec in (train.TaskSpec, train.T5Shape):  # every binding names a real field
+      gin.get_configurable(spec)()
+    return
   job = gin.query_parameter("run.main.job")  # every run config names its job
   bound = gin.get_bindings(job.selector)
   assert {"output_dir", "target", "prompts", "decode"} <= set(bound)
