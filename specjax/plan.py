@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 import math
 import pathlib
@@ -51,6 +52,28 @@ from specjax.models import kv_cache, t5
 
 GIB = devices_lib.GIB
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def job_arguments() -> tuple[dict, str]:
+  """(arguments, name) of the parsed gin config's job: its defaults overridden by the bindings."""
+  try:
+    job = gin.query_parameter("run.main.job")
+  except ValueError:
+    job = None
+  if not isinstance(job, gin.config.ConfigurableReference):
+    raise ValueError("the config binds no job (run.main.job); a plan covers the decoding jobs "
+                     "run.generate and speculative_sweep.sweep")
+  function = job.configurable.wrapped
+  arguments = {name: parameter.default
+               for name, parameter in inspect.signature(function).parameters.items()
+               if parameter.default is not inspect.Parameter.empty}
+  arguments.update(gin.get_bindings(job.configurable.selector, resolve_references=True))
+  return arguments, job.configurable.name
+
+
+def config_workload(target_size=None, draft_sizes=(), prompt_length=None) -> workload_lib.Workload:
+  """The Workload of the parsed gin config's job."""
+  return workload_lib.from_arguments(*job_arguments(), target_size, draft_sizes, prompt_length)
 
 
 @gin.configurable
@@ -396,7 +419,7 @@ def markdown(workload: workload_lib.Workload, result: dict) -> str:
 def run_plan(spec: PlanSpec = PlanSpec(), output_dir: str | None = None) -> list[dict]:
   """Plan the parsed config's job at every dtype of `spec`; print the tables; write plan.md and
   plan.json to output_dir (process 0)."""
-  workload = workload_lib.from_config(spec.target_size, spec.draft_sizes, spec.prompt_length)
+  workload = config_workload(spec.target_size, spec.draft_sizes, spec.prompt_length)
   if spec.topology:
     from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
     if not xla_bridge.backends_are_initialized():

@@ -9,12 +9,10 @@ not here.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import pathlib
 import re
 from typing import Any
 
-import gin
 
 from specjax import checkpoints, loading, models
 from specjax.models import decoder_only, t5
@@ -66,32 +64,16 @@ def _draft_label(name: str, config, taken: list) -> str:
   return label if label not in taken else f"{label} #{len(taken) + 1}"
 
 
-def _bindings(selector: str, function) -> dict:
-  """A gin configurable's arguments: its defaults overridden by the config's bindings."""
-  arguments = {name: parameter.default
-               for name, parameter in inspect.signature(function).parameters.items()
-               if parameter.default is not inspect.Parameter.empty}
-  arguments.update(gin.get_bindings(selector, resolve_references=True))
-  return arguments
-
-
-def from_config(target_size: str | None = None, draft_sizes: tuple = (),
-                prompt_length: int | None = None) -> Workload:
-  """The Workload of the parsed gin config's job (run.generate or speculative_sweep.sweep).
-  target_size / draft_sizes: architecture names for checkpoints not readable here (the draft sizes
-  follow the config's checkpoint drafts in order); prompt_length: None takes the config's
-  max_prompt_length, the longest input the run accepts."""
-  try:
-    job = gin.query_parameter("run.main.job")
-  except ValueError:
-    job = None
-  if not isinstance(job, gin.config.ConfigurableReference):
-    raise ValueError("the config binds no job (run.main.job); a plan covers the decoding jobs "
-                     "run.generate and speculative_sweep.sweep")
-  arguments = _bindings(job.configurable.selector, job.configurable.wrapped)
+def from_arguments(arguments: dict, job_name: str, target_size: str | None = None,
+                   draft_sizes: tuple = (), prompt_length: int | None = None) -> Workload:
+  """The Workload of a decoding job (run.generate or speculative_sweep.sweep) from its arguments
+  (`plan.job_arguments` reads them from the parsed config). target_size / draft_sizes: architecture
+  names for checkpoints not readable here (the draft sizes follow the config's checkpoint drafts in
+  order); prompt_length: None takes the config's max_prompt_length, the longest input the run
+  accepts."""
   if not {"target", "prompts", "decode", "mesh_shape"} <= set(arguments):
     raise ValueError(f"a plan covers the decoding jobs (run.generate, speculative_sweep.sweep), not "
-                     f"{job.configurable.name}")
+                     f"{job_name}")
   target_spec, prompts, decode = arguments["target"], arguments["prompts"], arguments["decode"]
   target = architecture(target_spec.checkpoint, target_size)
   grid = arguments.get("grid")

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 from conftest import run_check_on_8_devices
-from specjax import devices, models, plan, run, workload
+from specjax import devices, models, plan, run
 
 
 def test_plan_equals_what_a_run_allocates_and_seventy_b_does_not_fit_on_two_devices():
@@ -45,7 +45,7 @@ def _workload(config_file, *bindings):
   run.parse_gin([config_file], list(bindings))
   try:
     spec = plan.PlanSpec()  # with the config's bindings
-    return workload.from_config(spec.target_size, spec.draft_sizes, spec.prompt_length)
+    return plan.config_workload(spec.target_size, spec.draft_sizes, spec.prompt_length)
   finally:
     gin.clear_config()
 
