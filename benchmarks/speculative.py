@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 import common
-from specjax import autoregressive, data, drafters, loading, speculative, theory
+from specjax import data, drafters, loading, speculative, theory
 from specjax.metrics import (draft_step, ms_per_token, one_token, prefill_seconds, step_seconds,
                              summarize_outputs, target_step, time_passes)
 
@@ -112,22 +112,9 @@ def main():
         "draft step ms:", {n: round(v, 2) for n, v in draft_ms.items()}, flush=True)
 
   # The baseline, at each temperature.
-  generate = autoregressive.make_generate(model, autoregressive.DecodeShape(
-      args.new_tokens, eos_id=None, pad_id=tok.pad_id))
+  baseline, base_prefill = common.time_baseline(model, params, prompts, args.new_tokens, tok.pad_id,
+                                                temperatures, args.repeats, args.warmup)
   rng, f32 = jax.random.PRNGKey(0), functools.partial(jnp.asarray, dtype=jnp.float32)
-  compiled = generate.lower(params, *prompts[0], rng, f32(0.0), f32(1.0), None).compile()
-  base_prefill = prefill_seconds(model, None, params, None, prompts[0],
-                                 prompt_len + args.new_tokens + 1, 3)
-  baseline = {}
-  for temperature in temperatures:
-    run_one = lambda t, l, temp=temperature: jax.block_until_ready(
-        compiled(params, t, l, rng, f32(temp), f32(1.0), None))
-    seconds, passes, _ = time_passes(run_one, prompts, args.repeats,
-                                     args.warmup if temperature == temperatures[0] else 0)
-    decode_ms, e2e_ms = ms_per_token(seconds, base_prefill, len(prompts), args.new_tokens)
-    baseline[temperature] = {"decode_ms": decode_ms, "e2e_ms": e2e_ms, "passes_s": passes}
-    print(f"baseline T={temperature:g}: {decode_ms:.1f} ms/token decode, {e2e_ms:.1f} end-to-end "
-          f"(prefill {1000 * base_prefill:.0f} ms)", flush=True)
 
   jobs = [(name, gamma) for name, (_, _, gammas) in made.items() for gamma in gammas]
   if not args.no_overhead:
@@ -221,7 +208,8 @@ def write(args, rows, baseline, target_ms, draft_ms, keys, prompt_len, base_pref
                 f"and one iteration runs two such steps (draft [prev, last], verify) per 2 tokens."]
   markdown = "\n".join(lines)
   print(markdown)
-  meta = {"args": vars(args), "prompt_keys": keys, "prompt_length": prompt_len, "baseline": baseline,
+  meta = {"args": vars(args), "prompt_keys": keys, "prompt_length": prompt_len,
+          "baseline": {t: {k: v for k, v in b.items() if k != "tokens"} for t, b in baseline.items()},
           "target_step_ms": target_ms, "draft_step_ms": draft_ms, "jax": jax.__version__,
           "host": platform.node(), "cpus": os.cpu_count(), "total_s": total_s}
   print("wrote", common.write_results(args.out, rows, markdown, meta))

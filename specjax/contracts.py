@@ -14,6 +14,12 @@ loops (`autoregressive.py`, `speculative.py`) import nothing from `specjax.model
   Cache      a pytree of fixed-size buffers plus `lengths[B]` int32, the valid slots of each row.
              Slot s holds position s; rollback is `set_lengths` (nothing is zeroed).
   Drafter    `init / propose / rollback` (see drafters.py for what each returns).
+  Tree model a Model that can also verify a token tree (trees.py): `feature_step(params, context,
+             tokens, positions, cache, slots, visible) -> (logits, hidden[B, T, E], cache)` writes
+             token t at slot slots[:, t] (RoPE at positions[:, t]) and lets it see only the slots
+             visible[:, t] allows; slots / visible None = the chain step plus its final hidden states
+             (what feature drafters read; XLA drops them when unused). `move_cache(cache, source_slots,
+             dest_slots)` compacts an accepted path. `supports_trees(model)` says whether a model has both.
 
 An encoder-decoder model's decoder starts from its decoder start token: that one token is its
 "prompt" (prompt_tokens[B, 1], lengths 1), and the source text goes in as `Source`.
@@ -106,10 +112,23 @@ def open_session(model: Model, params: Params, source: Source | None = None) -> 
 
 @dataclasses.dataclass(frozen=True)
 class StepModel:
-  """A decoder-only Model from a step function with explicit params and an empty-cache factory."""
+  """A decoder-only Model from a step function with explicit params and an empty-cache factory; with
+  `features` (step that also takes slots / visible and returns hidden states) and `move`, a tree model."""
   step: StepFn
   init_cache: InitCache
+  features: Callable | None = None
+  move: Callable | None = None
   encoder_decoder: bool = dataclasses.field(default=False, init=False)
+
+  def feature_step(self, params, context, tokens, positions, cache, slots=None, visible=None):
+    del context
+    if self.features is None:
+      raise ValueError("this model returns no hidden states and cannot verify token trees; build it "
+                       "with specjax.models.decoder_only.model(config)")
+    return self.features(params, tokens, positions, cache, slots, visible)
+
+  def move_cache(self, cache, source_slots, dest_slots):
+    return self.move(cache, source_slots, dest_slots)
 
   def encode(self, params: Params, source: Source | None) -> None:
     if source is not None:
@@ -121,6 +140,11 @@ class StepModel:
                   cache: Cache) -> tuple[jax.Array, Cache]:
     del context
     return self.step(params, tokens, positions, cache)
+
+
+def supports_trees(model) -> bool:
+  return (getattr(model, "features", None) is not None
+          and callable(getattr(model, "move_cache", None)))
 
 
 def check_drafter_family(target: Model, drafter) -> None:

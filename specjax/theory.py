@@ -76,3 +76,28 @@ def speedup_with_verify_cost(alpha_, gamma, c, verify_cost):
   reading the weights verify_cost ~ 1 (Thm 3.8); on a CPU running a GEMM for T > 1 it is 1.3-1.8."""
   return expected_tokens(alpha_, gamma) / (np.asarray(gamma, np.float64) * np.asarray(c, np.float64)
                                            + np.asarray(verify_cost, np.float64))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Token trees (trees.py). The i.i.d. chain model generalises by depth: alpha_d is the chance that the
+# walk passes depth d given it reached it (for a tree, the target's mass on the node's candidate
+# tokens; SpecStats' betas estimate it without sampling luck).
+
+
+def tree_expected_tokens(depth_alphas):
+  """Tokens per target call of a tree walk: 1 + sum_d prod_{j <= d} alpha_j over depths 1..D (the
+  accepted path plus the token drawn where the walk stops). A chain with alpha_d = alpha for every d
+  gives Leviathan's Eq. 1. depth_alphas[..., D] -> [...] float64."""
+  a = np.asarray(depth_alphas, np.float64)
+  return 1.0 + np.cumprod(a, axis=-1).sum(-1)
+
+
+def tree_speedup(depth_alphas, draft_cost, verify_cost, accept_cost=0.0):
+  """Predicted speedup of a tree loop over target-only decoding: tree_expected_tokens over the cost
+  of one iteration in target steps: the drafter's work (all its calls for the tree), the target
+  scoring the T tree nodes (v(T)), and the acceptance walk (transform at T nodes, sampling per depth,
+  cache compaction), each measured. With one draft call per depth, verify_cost 1 and no accept cost,
+  a chain tree reduces to Thm 3.8."""
+  cost = (np.asarray(draft_cost, np.float64) + np.asarray(verify_cost, np.float64)
+          + np.asarray(accept_cost, np.float64))
+  return tree_expected_tokens(depth_alphas) / cost

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import BigramDrafter, bigram_from_step, bigram_model, random_decoder_params
+from conftest import (BigramDrafter, assert_follows_laws, bigram_from_step, bigram_marginals,
+                      bigram_model, random_decoder_params)
 from specjax import autoregressive, drafters, metrics, sampling, speculative, theory
 from specjax.contracts import StepModel
 from specjax.models import decoder_only
@@ -263,18 +264,6 @@ def _run_stat(target, draft, seed, temperature=1.0, top_p=1.0, lenience=1.0, top
                                temperature, top_p, lenience)
 
 
-def _marginals(target, temperature, top_k, top_p, steps):
-  """Exact law of the tokens target-only sampling emits at output positions 0..steps-1."""
-  chain = np.asarray(sampling.probs_from_logits(jnp.asarray(target), temperature, top_k, top_p),
-                     np.float64)
-  law = chain[2]  # the prompt is the single token 2
-  laws = [law]
-  for _ in range(steps - 1):
-    law = law @ chain
-    laws.append(law)
-  return laws
-
-
 def _random_pair(seed, scale_target=2.0, scale_draft=2.0):
   rng = np.random.RandomState(seed)
   return ((scale_target * rng.randn(VOCAB, VOCAB)).astype(np.float32),
@@ -314,15 +303,8 @@ def test_emitted_distribution_equals_target(name, transform):
   temperature, top_k = transform.get("temperature", 1.0), transform.get("top_k", 0)
   top_p = transform.get("top_p", 1.0)
   out = _run_stat(target, draft, seed=CASES.index((name, transform)), **transform)
-  tokens = np.asarray(out.tokens)
-  laws = _marginals(target, temperature, top_k, top_p, STAT_SHAPE["max_new_tokens"])
-  for position, law in enumerate(laws):
-    counts = np.bincount(tokens[:, position], minlength=VOCAB)
-    support = law > 1e-9
-    assert counts[~support].sum() == 0, (name, position)
-    if support.sum() > 1:
-      assert stats.chisquare(counts[support], law[support] / law[support].sum() * ROWS).pvalue > 1e-6
-    assert 0.5 * np.abs(counts / ROWS - law).sum() < 0.06, (name, position)
+  assert_follows_laws(out.tokens, bigram_marginals(target, temperature, top_k, top_p,
+                                             STAT_SHAPE["max_new_tokens"]), name)
   n = np.asarray(out.stats.num_accepted)
   if name == "draft == target":  # (c) on a sampled table model
     assert np.all(n[n >= 0] == STAT_SHAPE["gamma"])
@@ -336,7 +318,7 @@ def test_target_only_sampling_follows_the_exact_law():
   out = autoregressive.make_generate(bigram_model(), autoregressive.DecodeShape(3))(
       jnp.asarray(target), jnp.full((ROWS, 1), 2, jnp.int32), jnp.ones((ROWS,), jnp.int32),
       jax.random.PRNGKey(1), 0.6)
-  for position, law in enumerate(_marginals(target, 0.6, 0, 1.0, 3)):
+  for position, law in enumerate(bigram_marginals(target, 0.6, 0, 1.0, 3)):
     counts = np.bincount(np.asarray(out.tokens[:, position]), minlength=VOCAB)
     assert stats.chisquare(counts, law / law.sum() * ROWS).pvalue > 1e-6
 

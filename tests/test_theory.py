@@ -87,3 +87,17 @@ def test_best_gamma():
   assert theory.best_gamma(0.2, 0.3)[1] < 1.0
   with pytest.raises(ValueError, match="max_gamma"):
     theory.best_gamma(0.5, 0.1, max_gamma=0)
+
+
+def test_tree_prediction():
+  # A chain with the same alpha at every depth is Leviathan's Eq. 1 and Thm 3.8.
+  for a, gamma, c in [(0.3, 1, 0.1), (0.7, 4, 0.05), (0.95, 6, 0.0)]:
+    assert theory.tree_expected_tokens([a] * gamma) == pytest.approx(theory.expected_tokens(a, gamma))
+    assert theory.tree_speedup([a] * gamma, gamma * c, 1.0) == pytest.approx(
+        theory.walltime_improvement(a, gamma, c))
+  # Depth by depth: 1 + a1 + a1 a2 + a1 a2 a3; a zero stops everything below it.
+  assert theory.tree_expected_tokens([0.8, 0.5, 0.25]) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+  assert theory.tree_expected_tokens([0.9, 0.0, 1.0]) == pytest.approx(1.9)
+  # Costs add in target steps; batched over leading axes.
+  assert theory.tree_speedup([0.5, 0.5], 0.2, 1.5, 0.3) == pytest.approx(1.75 / 2.0)
+  assert theory.tree_expected_tokens(np.full((3, 2), 1.0)).shape == (3,)

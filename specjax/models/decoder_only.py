@@ -91,11 +91,11 @@ class _Block(nn.Module):
   mesh: Mesh | None = None
 
   @nn.compact
-  def __call__(self, x, positions, keys, values):
+  def __call__(self, x, positions, keys, values, slots=None, visible=None):
     cfg = self.config
     attn_out, keys, values = CachedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                              cfg.rope_theta, self.mesh, name="attn")(
-        RMSNorm(cfg.norm_eps, name="attn_norm")(x), positions, keys, values)
+        RMSNorm(cfg.norm_eps, name="attn_norm")(x), positions, keys, values, slots, visible)
     x = x + attn_out
     x = x + GatedMLP(cfg.mlp_dim, mesh=self.mesh, name="mlp")(
         RMSNorm(cfg.norm_eps, name="mlp_norm")(x))
@@ -103,19 +103,24 @@ class _Block(nn.Module):
 
 
 class DecoderOnly(nn.Module):
-  """The Llama-family network; `mesh` (optional) turns on the activation and cache constraints."""
+  """The Llama-family network; `mesh` (optional) turns on the activation and cache constraints.
+
+  `slots` / `visible` (optional) verify a token tree (layers.CachedAttention); `return_hidden` also
+  returns the final-norm hidden states [B, T, E] that feature drafters (heads.py) read.
+  """
   config: DecoderConfig
   mesh: Mesh | None = None
 
   @nn.compact
-  def __call__(self, tokens, positions, cache: kv_cache.KVCache):
+  def __call__(self, tokens, positions, cache: kv_cache.KVCache, slots=None, visible=None,
+               return_hidden: bool = False):
     cfg = self.config
     embedding = param(self, "embedding", (cfg.vocab_size, cfg.embed_dim), (axes.VOCAB, axes.EMBED))
     x = sharding.constrain(jnp.take(embedding, tokens, axis=0), layers.ACTIVATIONS, self.mesh)
     keys, values = list(cache.keys), list(cache.values)
     for i in range(cfg.num_layers):
-      x, keys[i], values[i] = _Block(cfg, self.mesh, name=f"layers_{i}")(x, positions, keys[i],
-                                                                          values[i])
+      x, keys[i], values[i] = _Block(cfg, self.mesh, name=f"layers_{i}")(
+          x, positions, keys[i], values[i], slots, visible)
     x = RMSNorm(cfg.norm_eps, name="final_norm")(x)
     if cfg.tie_embeddings:
       logits = jnp.einsum("bte,ve->btv", x, embedding)
@@ -123,9 +128,10 @@ class DecoderOnly(nn.Module):
       lm_head = param(self, "lm_head", (cfg.embed_dim, cfg.head_size or cfg.vocab_size),
                        (axes.EMBED, axes.VOCAB))
       logits = x @ lm_head
-    lengths = positions[:, -1].astype(jnp.int32) + 1
+    lengths = (positions if slots is None else slots)[:, -1].astype(jnp.int32) + 1
     logits = sharding.constrain(logits.astype(jnp.float32), layers.LOGITS, self.mesh)
-    return logits, kv_cache.KVCache(tuple(keys), tuple(values), lengths)
+    cache = kv_cache.KVCache(tuple(keys), tuple(values), lengths)
+    return (logits, cache, x) if return_hidden else (logits, cache)
 
 
 def init_cache(config: DecoderConfig, batch: int, max_length: int, dtype=jnp.float32):
@@ -157,7 +163,27 @@ def model(config: DecoderConfig, mesh: Mesh | None = None,
           cache_dtype=jnp.float32) -> contracts.StepModel:
   """The contracts.Model of this config: its step and empty-cache factory (no encoder)."""
   return contracts.StepModel(make_step(config, mesh),
-                             functools.partial(init_cache, config, dtype=cache_dtype))
+                             functools.partial(init_cache, config, dtype=cache_dtype),
+                             # a subset-head draft verifies nothing: no tree step
+                             features=None if config.head_size else make_feature_step(config, mesh),
+                             move=kv_cache.move)
+
+
+def make_feature_step(config: DecoderConfig, mesh: Mesh | None = None):
+  """features(params, tokens, positions, cache, slots=None, visible=None) -> (logits, hidden[B, T, E],
+  cache): the step of `make_step` that can verify a token tree and also returns the final-norm hidden
+  states (contracts: tree model). Full-vocabulary models only."""
+  if config.head_size:
+    raise ValueError("a subset-head model is a draft; token trees are verified by a full-vocabulary "
+                     "target")
+  network = DecoderOnly(config, mesh)
+
+  def features(params, tokens, positions, cache, slots=None, visible=None):
+    logits, cache, hidden = network.apply({"params": model_params(params)}, tokens, positions, cache,
+                                          slots, visible, return_hidden=True)
+    return logits, hidden, cache
+
+  return features
 
 
 def model_params(params):

@@ -61,3 +61,18 @@ def attention_mask(query_positions: jax.Array, max_length: int) -> jax.Array:
   """query_positions[B, T] -> bool[B, T, S]: a query sees the slots at or before its own position."""
   slots = jnp.arange(max_length, dtype=jnp.int32)
   return slots[None, None, :] <= query_positions[:, :, None]
+
+
+def move(cache: KVCache, source_slots: jax.Array, dest_slots: jax.Array) -> KVCache:
+  """Copy each row's slots source_slots[B, D] to dest_slots[B, D] in every layer (lengths unchanged).
+
+  A verified token tree leaves its accepted path scattered over the tree's slots; this compacts it to
+  consecutive slots. All reads happen before the writes, so overlapping ranges are safe.
+  """
+  rows = jnp.arange(source_slots.shape[0])[:, None]
+
+  def one(buffer):
+    moved = buffer[rows, source_slots]
+    return buffer.at[rows, dest_slots].set(moved, mode="promise_in_bounds")
+
+  return cache.replace(keys=tuple(map(one, cache.keys)), values=tuple(map(one, cache.values)))

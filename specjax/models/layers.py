@@ -72,8 +72,11 @@ class GatedMLP(nn.Module):
 class CachedAttention(nn.Module):
   """Grouped-query self-attention that writes its keys/values into this layer's cache buffers.
 
-  __call__(x[B, T, E], positions[B, T], keys, values) -> (y[B, T, E], keys, values), with keys / values
-  this layer's [B, S, kv, d] buffers.
+  __call__(x[B, T, E], positions[B, T], keys, values, slots=None, visible=None) -> (y[B, T, E], keys,
+  values), with keys / values this layer's [B, S, kv, d] buffers. A chain writes token t at slot
+  positions[:, t] and sees the slots up to its position. A token tree (trees.py) passes its own write
+  `slots[B, T]` and `visible[B, T, S]`: a node sits at position prefix + depth (its RoPE angle) but in
+  slot prefix + node index, and sees the prefix and its ancestors only.
 
   Kernels are 2-D ([embed, heads * head_dim]): on XLA:CPU a dot against a 3-D [embed, heads, head_dim]
   kernel lowered to a transposing copy of the weights every step, doubling a decode step's time.
@@ -85,7 +88,7 @@ class CachedAttention(nn.Module):
   mesh: Mesh | None = None
 
   @nn.compact
-  def __call__(self, x, positions, keys, values):
+  def __call__(self, x, positions, keys, values, slots=None, visible=None):
     batch, steps, embed = x.shape
     h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
     wq = param(self, "wq", (embed, h * d), (axes.EMBED, axes.HEADS))
@@ -96,12 +99,14 @@ class CachedAttention(nn.Module):
     q = sharding.constrain(q, HEAD_ACTIVATIONS, self.mesh)
     k = rope((x @ wk).reshape(batch, steps, kv, d), positions, self.rope_theta)
     v = (x @ wv).reshape(batch, steps, kv, d)
-    keys = sharding.constrain(kv_cache.write(keys, k, positions), kv_cache.LOGICAL_AXES, self.mesh)
-    values = sharding.constrain(kv_cache.write(values, v, positions), kv_cache.LOGICAL_AXES,
-                                self.mesh)
+    slots = positions if slots is None else slots
+    keys = sharding.constrain(kv_cache.write(keys, k, slots), kv_cache.LOGICAL_AXES, self.mesh)
+    values = sharding.constrain(kv_cache.write(values, v, slots), kv_cache.LOGICAL_AXES, self.mesh)
     q = q.reshape(batch, steps, kv, h // kv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype)) * (d ** -0.5)
-    mask = kv_cache.attention_mask(positions, keys.shape[1])[:, None, None]
+    if visible is None:
+      visible = kv_cache.attention_mask(positions, keys.shape[1])
+    mask = visible[:, None, None]
     scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", weights, values.astype(x.dtype))
