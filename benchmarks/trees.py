@@ -29,6 +29,7 @@ import argparse
 import functools
 import os
 import platform
+import statistics
 import time
 
 import jax
@@ -37,8 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 import common
-from specjax import (autoregressive, contracts, data, drafters, loading, metrics, sampling, theory,
-                     trees)
+from specjax import data, drafters, loading, metrics, theory, trees
 from specjax.metrics import ms_per_token, prefill_seconds, step_seconds, time_passes
 
 
@@ -70,79 +70,21 @@ def parse_trees(text: str) -> list[trees.Tree]:
   return [trees.Tree.from_name(name) for name in names]
 
 
-def make_tree_drafter(name, target, params, sequences):
-  if name.startswith("heads:"):
-    from specjax import heads  # pylint: disable=import-outside-toplevel
-    return heads.load_drafter(name.split(":", 1)[1], target)
-  drafter, draft_params = drafters.make_drafter(name, target.config, params, sequences)
-  return trees.ChainTopK(drafter), draft_params
-
-
-def _history(prompt, max_length):
-  tokens, lengths = prompt
-  history = jnp.zeros((1, max_length), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
-  return history, lengths - 1
-
-
-def draft_cost_ms(drafter, draft_params, prompt, tree, max_length, embed_dim, repeats):
-  history, position = _history(prompt, max_length)
-  features = jnp.zeros((1, embed_dim), jnp.float32)
-
-  def step(params, state, tokens, positions):
-    del tokens, positions
-    return drafter.candidates(params, state, history, position, features, tree.depth, tree.width)
-
-  state = drafter.init(draft_params, *prompt, max_length)
-  return 1000 * step_seconds(step, draft_params, state, *metrics.one_token(prompt), repeats)
-
-
-def verify_cost_ms(model, params, prompt, tree, max_length, repeats):
-  """The target scoring the tree's T nodes after the prompt, transform at every node; the cache
-  length is restored after each call so chained calls all verify at the same place."""
-  positions, slots, visible = trees.attention_inputs(tree, prompt[1], max_length)
-
-  def step(params, cache, tokens, _positions):
-    node_tokens = jnp.broadcast_to(tokens[:, :1], (1, tree.size))
-    logits, _, new_cache = model.feature_step(params, None, node_tokens, positions, cache, slots,
-                                              visible)
-    probs = sampling.probs_from_logits(logits, 1.0)
-    return jnp.argmax(probs, axis=-1), contracts.set_lengths(new_cache, cache.lengths)
-
-  _, cache = autoregressive.prefill(contracts.open_session(model, params), *prompt, max_length)
-  return 1000 * step_seconds(step, params, cache, *metrics.one_token(prompt), repeats)
-
-
-def accept_cost_ms(model, vocab, tree, max_length, repeats):
-  """Transform at T nodes, the walk, and the cache compaction, on fixed logits."""
-  logits = jax.random.normal(jax.random.PRNGKey(0), (1, tree.size, vocab)) * 3
-  tokens = jnp.zeros((1, tree.size), jnp.int32)
-  position = jnp.array([max_length // 2], jnp.int32)
-
-  def step(logits, cache, _tokens, _positions):
-    probs = sampling.probs_from_logits(logits, 1.0)
-    path, accepted, next_token, _ = trees.walk(tree, tokens, probs,
-                                               jnp.full((1, tree.depth + 1), 0.5))
-    steps = jnp.arange(1, tree.depth + 1, dtype=jnp.int32)
-    cache = model.move_cache(cache, position[:, None] + path[:, 1:], position[:, None] + steps)
-    return next_token + accepted, cache
-
-  return 1000 * step_seconds(step, logits, model.init_cache(1, max_length), tokens, tokens,
-                             repeats)
-
-
 def main():
   args = parse_args()
   started = time.perf_counter()
   temperatures = [float(t) for t in args.temperatures.split(",")]
   tree_list = parse_trees(args.trees)
   target = loading.load_model()
-  config, tok, model = target.config, target.tokenizer, target.model
+  tok, model = target.tokenizer, target.model
   params = jax.device_put(target.params)
   prompts, keys = common.load_prompts(target, args.prompts)
   prompt_len = prompts[0][0].shape[1]
   names = args.drafters.split(",")
-  sequences = (data.train_sequences(tok) if any(drafters.needs_text(n) for n in names) else None)
-  made = {name: make_tree_drafter(name, target, params, sequences) for name in names}
+  for name in names:
+    trees.check_tree_drafter_name(name)
+  sequences = (data.train_sequences(tok) if any(map(trees.tree_drafter_needs_text, names)) else None)
+  made = {name: trees.make_tree_drafter(name, target.config, params, sequences) for name in names}
   max_length = prompt_len + args.new_tokens + max(t.size for t in tree_list)
   print(f"{len(prompts)} prompts padded to {prompt_len} tokens, {args.new_tokens} new tokens; "
         f"drafters {names}; trees {[t.name for t in tree_list]}; setup "
@@ -150,18 +92,20 @@ def main():
 
   # Step costs.
   target_probe = drafters.ModelDrafter(model)
-  target_ms = 1000 * step_seconds(metrics.target_step(model), params,
-                                  common.fresh_state(target_probe, params, prompts[0], max_length),
-                                  *metrics.one_token(prompts[0]), args.step_repeats)
-  verify_ms = {t.name: verify_cost_ms(model, params, prompts[0], t, max_length, args.step_repeats)
-               for t in tree_list}
-  accept_ms = {t.name: accept_cost_ms(model, config.vocab_size, t, max_length, args.step_repeats)
-               for t in tree_list}
-  draft_ms = {(n, t.name): draft_cost_ms(d, dp, prompts[0], t, max_length, config.embed_dim,
-                                         args.step_repeats)
-              for n, (d, dp) in made.items() for t in tree_list}
-  print(f"target step {target_ms:.1f} ms; verify(T) ms", {k: round(v, 1) for k, v in verify_ms.items()},
-        "accept ms", {k: round(v, 2) for k, v in accept_ms.items()}, flush=True)
+  target_ms = 1000 * statistics.median(
+      step_seconds(metrics.target_step(model), params,
+                   common.fresh_state(target_probe, params, prompts[0], max_length),
+                   *metrics.one_token(prompts[0]), args.step_repeats) for _ in range(3))
+  probe = functools.partial(metrics.tree_step_costs, model, params, prompt=prompts[0][:2],
+                            max_length=max_length, repeats=args.step_repeats)
+  first_drafter, first_params = next(iter(made.values()))
+  per_tree = {t.name: probe(first_drafter, first_params, t, parts=("verify", "accept"))
+              for t in tree_list}
+  costs = {(n, t.name): {**per_tree[t.name], **probe(d, dp, t, parts=("draft",))}
+           for n, (d, dp) in made.items() for t in tree_list}
+  print(f"target step {target_ms:.1f} ms; tree iteration parts (ms):",
+        {f"{n} {t}": {k: round(v, 2) for k, v in c.items()} for (n, t), c in costs.items()},
+        flush=True)
 
   baseline, base_prefill = common.time_baseline(model, params, prompts, args.new_tokens, tok.pad_id,
                                                 temperatures, args.repeats, args.warmup)
@@ -185,7 +129,7 @@ def main():
                                                args.warmup if i == 0 else 0)
         decode_ms, e2e_ms = ms_per_token(seconds, tree_prefill, len(prompts), args.new_tokens)
         rows.append(_row(name, tree, temperature, outputs, decode_ms, e2e_ms, baseline, target_ms,
-                         verify_ms, accept_ms, draft_ms, compile_s, passes))
+                         costs[(name, tree.name)], compile_s, passes))
         bar.update()
         r = rows[-1]
         tqdm.write(f"{name} {tree.name} T={temperature:g}: {r['tokens_per_target_call']:.2f} "
@@ -193,12 +137,11 @@ def main():
                    f"{r['predicted']:.2f}x" + ("" if temperature else
                                                f", greedy equal: {r['greedy_equal']}"))
   bar.close()
-  write(args, rows, baseline, target_ms, verify_ms, accept_ms, keys, prompt_len,
-        time.perf_counter() - started)
+  write(args, rows, baseline, target_ms, keys, prompt_len, time.perf_counter() - started)
 
 
-def _row(name, tree, temperature, outputs, decode_ms, e2e_ms, baseline, target_ms, verify_ms,
-         accept_ms, draft_ms, compile_s, passes):
+def _row(name, tree, temperature, outputs, decode_ms, e2e_ms, baseline, target_ms, costs_ms,
+         compile_s, passes):
   summary = metrics.summarize_outputs(outputs)
   num_accepted = np.concatenate([np.asarray(o.stats.num_accepted) for o in outputs])
   betas = np.concatenate([np.asarray(o.stats.acceptance_probs) for o in outputs])
@@ -206,8 +149,7 @@ def _row(name, tree, temperature, outputs, decode_ms, e2e_ms, baseline, target_m
   reached = (num_accepted[..., None] >= np.arange(tree.depth)) & (num_accepted[..., None] >= 0)
   beta_d = [float(betas[..., d][reached[..., d]].mean()) if reached[..., d].any() else 0.0
             for d in range(tree.depth)]
-  costs = {"draft": draft_ms[(name, tree.name)] / target_ms, "verify": verify_ms[tree.name] / target_ms,
-           "accept": accept_ms[tree.name] / target_ms}
+  costs = {part: ms / target_ms for part, ms in costs_ms.items()}
   row = {"drafter": name, "tree": tree.name, "tree_size": tree.size, "temperature": temperature,
          "tokens_per_target_call": summary["tokens_per_target_call"],
          "alpha_by_depth": [float(x) for x in conditional], "beta_by_depth": beta_d,
@@ -226,7 +168,7 @@ def _row(name, tree, temperature, outputs, decode_ms, e2e_ms, baseline, target_m
   return row
 
 
-def write(args, rows, baseline, target_ms, verify_ms, accept_ms, keys, prompt_len, total_s):
+def write(args, rows, baseline, target_ms, keys, prompt_len, total_s):
   lines = [
       f"SmolLM2-135M-Instruct target, float32, batch 1, {len(keys)} held-out HumanEval prompts "
       f"({', '.join(keys)}) padded to {prompt_len} tokens, {args.new_tokens} new tokens, EOS off; "
@@ -238,13 +180,13 @@ def write(args, rows, baseline, target_ms, verify_ms, accept_ms, keys, prompt_le
       f"Total run {total_s / 60:.1f} min.", "",
       "Baseline (autoregressive): " + ", ".join(
           f"T={t:g} {b['decode_ms']:.1f} ms/token" for t, b in baseline.items()) + ".", "",
-      "| drafter | tree (T) | temp | tokens / call | alpha by depth | draft | verify(T) | accept "
-      "| ms/token | speedup | predicted | measured / predicted | greedy = target |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+      "| drafter | tree (T) | temp | tokens / call | predicted | alpha by depth | draft | verify(T) "
+      "| accept | ms/token | speedup | predicted | measured / predicted | greedy = target |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(
         f"| {r['drafter']} | {r['tree']} ({r['tree_size']}) | {r['temperature']:g} "
-        f"| {r['tokens_per_target_call']:.2f} | "
+        f"| {r['tokens_per_target_call']:.2f} | {r['predicted_tokens_per_call']:.2f} | "
         + " ".join(f"{a:.2f}" for a in r["alpha_by_depth"])
         + f" | {r['cost_draft']:.2f} | {r['cost_verify']:.2f} | {r['cost_accept']:.2f} "
         f"| {r['tree_decode_ms']:.1f} | {r['speedup']:.2f}x | {r['predicted']:.2f}x "
@@ -253,7 +195,7 @@ def write(args, rows, baseline, target_ms, verify_ms, accept_ms, keys, prompt_le
   print(markdown)
   meta = {"args": vars(args), "prompt_keys": keys, "prompt_length": prompt_len,
           "baseline": {t: {k: v for k, v in b.items() if k != "tokens"} for t, b in baseline.items()},
-          "target_step_ms": target_ms, "verify_ms": verify_ms, "accept_ms": accept_ms,
+          "target_step_ms": target_ms,
           "jax": jax.__version__, "host": platform.node(), "cpus": os.cpu_count(), "total_s": total_s}
   print("wrote", common.write_results(args.out, rows, markdown, meta))
 

@@ -265,3 +265,53 @@ def one_token(prompt: tuple[jax.Array, jax.Array], width: int = 1) -> tuple[jax.
   last = int(tokens[0, int(lengths[0]) - 1])
   return (jnp.full((1, width), last, jnp.int32),
           jnp.asarray(int(lengths[0]) + np.arange(width), jnp.int32)[None])
+
+
+def tree_step_costs(model: contracts.Model, params, drafter, draft_params, tree, prompt,
+                    max_length: int, repeats: int, parts=("draft", "verify", "accept")) -> dict:
+  """ms of one tree iteration's `parts` at batch 1 after `prompt` (trees.py), each timed like
+  `step_seconds`: `draft` the drafter's candidates for the whole tree, `verify` the target scoring
+  the T nodes with the tree mask (transform at every node), `accept` the walk (transform, a draw per
+  depth) plus the cache compaction. verify and accept depend on the tree only (measure them once per
+  tree: the median of 3 medians, as single medians of a 40 ms step moved by 20 % here)."""
+  from specjax import trees  # pylint: disable=import-outside-toplevel  (trees imports this module)
+  tokens, lengths = prompt
+  history = jnp.zeros((1, max_length), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
+  logits, hidden, cache = model.feature_step(
+      params, None, tokens, jnp.arange(tokens.shape[1], dtype=jnp.int32)[None],
+      model.init_cache(1, max_length))
+  cache = contracts.set_lengths(cache, lengths)
+  features = hidden[:, -1].astype(jnp.float32)
+  probe = one_token(prompt)
+
+  def draft(params, state, _tokens, _positions):
+    return drafter.candidates(params, state, history, lengths - 1, features, tree.depth, tree.width)
+
+  node_inputs = trees.attention_inputs(tree, lengths, max_length)
+
+  def verify(params, cache, tokens, _positions):
+    node_tokens = jnp.broadcast_to(tokens[:, :1], (1, tree.size))
+    logits, _, new_cache = model.feature_step(params, None, node_tokens, node_inputs[0], cache,
+                                              *node_inputs[1:])
+    return jnp.argmax(_sampled(logits), axis=-1), contracts.set_lengths(new_cache, cache.lengths)
+
+  node_logits = jnp.broadcast_to(logits[:, -1:], (1, tree.size, logits.shape[-1]))
+  steps = jnp.arange(1, tree.depth + 1, dtype=jnp.int32)
+
+  def accept(node_logits, cache, tokens, _positions):
+    node_tokens = jnp.broadcast_to(tokens[:, :1], (1, tree.size))
+    path, accepted, next_token, _ = trees.walk(tree, node_tokens, _sampled(node_logits),
+                                               jnp.full((1, tree.depth + 1), 0.5))
+    cache = model.move_cache(cache, lengths[:, None] + path[:, 1:], lengths[:, None] + steps)
+    return next_token + accepted, cache
+
+  def timed(step, step_params, state):
+    fresh = lambda: jax.tree_util.tree_map(jnp.copy, state)  # step_seconds donates its state
+    return 1000 * statistics.median(step_seconds(step, step_params, fresh(), *probe, repeats)
+                                    for _ in range(3))
+
+  runs = {"draft": lambda: timed(draft, draft_params,
+                                 drafter.init(draft_params, tokens, lengths, max_length)),
+          "verify": lambda: timed(verify, params, cache),
+          "accept": lambda: timed(accept, node_logits, cache)}
+  return {part: runs[part]() for part in parts}

@@ -30,6 +30,12 @@ def test_every_config_parses_and_binds(config):
     for spec in ("DraftShape", "TeacherSpec", "TrainSpec"):  # every binding names a real field
       gin.get_configurable(getattr(train_draft, spec))()
     return
+  if "train_heads.train" in config.read_text():  # python -m specjax.train_heads configs
+    from specjax import train_heads  # pylint: disable=import-outside-toplevel
+    assert {"output_dir", "target", "heads_spec", "teacher", "training"} <= set(
+        gin.get_bindings(train_heads.train))
+    gin.get_configurable(train_heads.HeadsSpec)()
+    return
   if "train.train" in config.read_text():  # python -m specjax.train configs (T5 training)
     from specjax import train  # pylint: disable=import-outside-toplevel
     assert {"output_dir", "task", "model", "training"} <= set(gin.get_bindings(train.train))
@@ -114,4 +120,36 @@ def test_smoke_sweep_writes_rows_tables_and_plots(tmp_path):
 def test_sweep_refuses_gamma_below_one(tmp_path):
   with pytest.raises(ValueError, match="gamma"):
     _tiny_sweep(tmp_path, "speculative_sweep.SweepSpec.gammas = (0, 2)")
+  assert not (tmp_path / "results.jsonl").exists()
+
+
+def _tiny_tree_sweep(tmp_path, *extra):
+  run.parse_gin([str(CONFIG_DIR / "smollm2_trees.gin")], [
+      f"tree_sweep.sweep.output_dir = '{tmp_path}'", "run.DecodeSpec.max_new_tokens = 8",
+      "tree_sweep.TreeSweepSpec.drafters = ('lookup',)",
+      "tree_sweep.TreeSweepSpec.trees = ('spine:2x2',)",
+      "tree_sweep.TreeSweepSpec.temperatures = (0.0, 1.0)",
+      "tree_sweep.TreeSweepSpec.prompts_per_task = 1", *extra])
+  return gin.get_configurable(run.main)()
+
+
+def test_smoke_tree_sweep_writes_rows_and_table_and_resumes(tmp_path):
+  rows = _tiny_tree_sweep(tmp_path)
+  assert [(r["tree"], r["temperature"]) for r in rows] == [("spine:2x2", 0.0), ("spine:2x2", 1.0)]
+  for row in rows:
+    assert 1.0 <= row["tokens_per_target_call"] <= row["tree_depth"] + 1
+    assert row["tree_size"] == 5 and row["decode_speedup"] > 0 and row["predicted_speedup"] > 0
+    assert row["cost_verify"] > 0 and row["cost_draft"] > 0 and row["cost_accept"] > 0
+  assert rows[0]["outputs_match_baseline"] is True  # greedy tree decode == greedy baseline
+  assert "| lookup | lookup | spine:2x2 (5) | 0 |" in (tmp_path / "trees.md").read_text()
+  gin.clear_config()
+  assert _tiny_tree_sweep(tmp_path) == rows  # a rerun resumes: nothing measured twice
+
+
+def test_tree_sweep_refuses_missing_heads_before_writing(tmp_path):
+  with pytest.raises(FileNotFoundError, match="train_heads"):
+    _tiny_tree_sweep(tmp_path, f"tree_sweep.TreeSweepSpec.drafters = ('heads:{tmp_path}/none',)")
+  with pytest.raises(ValueError, match="spine:DxW"):
+    gin.clear_config()
+    _tiny_tree_sweep(tmp_path, "tree_sweep.TreeSweepSpec.trees = ('spine:3',)")
   assert not (tmp_path / "results.jsonl").exists()

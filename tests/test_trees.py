@@ -44,6 +44,7 @@ def test_tree_shapes():
   assert trees.Tree.spine(4, 3).size == 13 and trees.Tree.spine(4, 3).name == "spine:4x3"
   assert trees.Tree.from_name("chain:5") == trees.Tree.chain(5)
   assert trees.Tree.from_name("full:3,2") == trees.Tree.full([3, 2])
+  assert trees.Tree.full([3, 2, 1]).name == "full:3,2,1" and random_tree(3).name.startswith("tree:")
   # every node's ancestors are exactly its path's prefixes
   tree = random_tree(3, nodes=12)
   for i, path in enumerate(tree.paths, start=1):
@@ -337,3 +338,23 @@ def test_bad_input():
   with pytest.raises(ValueError, match="top_p must lie in"):
     decode(random_decoder_params(TINY), None, prompt, jnp.array([3]), jax.random.PRNGKey(0), 1.0,
            1.5)
+
+
+def test_top_ids_equal_lax_top_k():
+  scores = jax.random.normal(jax.random.PRNGKey(0), (5, 300))
+  scores = scores.at[:, 7].set(scores[:, 3])  # a tie: the lower id first, as lax.top_k
+  for width in (1, 3, 6):
+    np.testing.assert_array_equal(trees.top_ids(scores, width), jax.lax.top_k(scores, width)[1])
+
+
+def test_lookup_in_front_copies_the_repeated_span():
+  """Where the context repeats, prompt lookup puts the tokens that followed the earlier occurrence at
+  rank 0 of each depth and the inner drafter's candidates behind them; elsewhere only the inner's."""
+  inner = TableTreeDrafter()
+  table = np.tile(np.arange(3, 6, dtype=np.int32)[None, None, :], (VOCAB, 3, 1))  # ranks 3, 4, 5
+  drafter = trees.LookupThenTree(inner, max_ngram=2, min_ngram=2)
+  history = jnp.asarray([[0, 1, 2, 0, 1, 0, 0, 0], [5, 4, 3, 2, 1, 0, 0, 0]], jnp.int32)
+  position = jnp.asarray([4, 4], jnp.int32)  # row 0 ends with "0 1", seen at 0..1 followed by 2, 0, 1
+  candidates, _ = drafter.candidates(jnp.asarray(table), None, history, position, None, 3, 3)
+  np.testing.assert_array_equal(candidates[0], [[2, 3, 4], [0, 3, 4], [1, 3, 4]])
+  np.testing.assert_array_equal(candidates[1], [[3, 4, 5]] * 3)

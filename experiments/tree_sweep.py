@@ -1,0 +1,254 @@
+"""The token-tree sweep: `python -m specjax.run` with `run.main.job = @tree_sweep.sweep`.
+
+Every point (task x tree drafter x tree shape x temperature) times the autoregressive baseline and the
+tree loop (specjax/trees.py) side by side in this process on the same held-out prompts (batch 1 each,
+EOS on), and writes one JSONL row: tokens per target call, the pass rate at every depth (alpha_d =
+passed / reached) and its expectation beta_d, the cost of one iteration's parts in target steps (the
+drafter's candidates, the target verifying the T nodes: v(T), the acceptance walk with the cache
+compaction), decode ms per token of both and the speedup, theory.tree_speedup's prediction from
+beta_d and those costs, and for greedy points whether the output equals the baseline's token for
+token. Then trees.md / trees.csv: the table of drafter kind x tree x temperature.
+
+Drafters are tree drafters by name (trees.make_tree_drafter): `heads:<dir>` (Medusa heads on the
+target's hidden states), `lookup+heads:<dir>`, or any chain drafter (`model:<dir>`, `lookup`,
+`lookup+model:<dir>`, ...) as a tree of its top-k per depth. A chain drafter on `chain:D` is the chain
+draft of the speculative sweep with deterministic (top-1) drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from experiments import speculative_sweep, tables
+from experiments import sweep as resumable
+from specjax import checkpoints, data, metrics, outputs, run, sampling, theory, trees
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSweepSpec:
+  """The grid: trees are static (one compile per drafter and tree); temperatures are traced."""
+  tasks: tuple = ("humaneval",)
+  drafters: tuple = ("lookup",)
+  trees: tuple = ("chain:3", "spine:3x3")
+  temperatures: tuple = (0.0, 1.0)
+  prompts_per_task: int = 4
+  repeats: int = 1
+
+  def points(self) -> list[dict]:
+    """Every point, validated before anything is loaded or written."""
+    for name, value in (("prompts_per_task", self.prompts_per_task), ("repeats", self.repeats)):
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"TreeSweepSpec.{name} = {value!r} must be an integer >= 1")
+    if not self.tasks or not self.drafters or not self.trees:
+      raise ValueError("TreeSweepSpec.tasks, drafters and trees need at least one entry each")
+    for task in self.tasks:
+      data.check_prompt_set_name(task)
+    for name in self.drafters:
+      trees.check_tree_drafter_name(name)
+    shapes = [trees.Tree.from_name(name).name for name in self.trees]
+    for temperature in self.temperatures:
+      sampling.validate_sampling(float(temperature), 0, 1.0)
+    return resumable.grid(task=list(self.tasks), drafter=list(self.drafters), tree=shapes,
+                          temperature=[float(t) for t in self.temperatures])
+
+
+class Bench:
+  """What every point shares: target, drafters, prompts, the baseline programs (the speculative
+  sweep's), the compiled tree programs and the measured costs."""
+
+  def __init__(self, target, spec: TreeSweepSpec, decode: run.DecodeSpec, seed: int, style: str):
+    self.target, self.spec, self.decode = target, spec, decode
+    names = spec.drafters
+    sequences = (data.train_sequences(target.tokenizer, False, style)
+                 if any(map(trees.tree_drafter_needs_text, names)) else None)
+    self.drafters = {name: trees.make_tree_drafter(name, target.config, target.params, sequences)
+                     for name in names}
+    prompts = {task: speculative_sweep.heldout_prompts(target, task, spec.prompts_per_task, style)
+               for task in spec.tasks}
+    grid = speculative_sweep.SweepSpec(tasks=spec.tasks, drafters=("lookup",), gammas=(1,),
+                                       prompts_per_task=spec.prompts_per_task,
+                                       repeats=spec.repeats)
+    self.setup = speculative_sweep.Setup(target, {}, prompts, grid, decode,
+                                         jax.random.PRNGKey(seed))
+    self.programs = speculative_sweep.Programs(self.setup)
+    self.max_size = max(trees.Tree.from_name(t).size for t in spec.trees)
+    self._costs, self._compiled, self._prefill = {}, {}, {}
+    probe = next(iter(prompts.values()))[0]
+    self.probe = probe[:2]
+    self.target_ms = 1000 * metrics.step_seconds(
+        metrics.target_step(target.model), target.params,
+        jax.jit(speculative_sweep.ModelDrafter(target.model).init, static_argnums=3)(
+            target.params, *self.probe, self.cache_length(probe)), *metrics.one_token(self.probe),
+        15)
+
+  def cache_length(self, prompt) -> int:
+    return prompt[0].shape[1] + self.decode.max_new_tokens + self.max_size
+
+  def costs(self, name: str, tree: trees.Tree) -> dict:
+    """Each part of an iteration in target steps (metrics.tree_step_costs / the target step)."""
+    key = (name, tree.name)
+    if key not in self._costs:
+      drafter, params = self.drafters[name]
+      probe = lambda parts: metrics.tree_step_costs(
+          self.target.model, self.target.params, drafter, params, tree, self.probe,
+          self.cache_length(self.probe), 9, parts)
+      if tree.name not in self._costs:  # verify and accept depend on the tree alone
+        self._costs[tree.name] = probe(("verify", "accept"))
+      ms = {**self._costs[tree.name], **probe(("draft",))}
+      self._costs[key] = {part: value / self.target_ms for part, value in ms.items()}
+      logging.info("%s %s: iteration parts in target steps %s", name, tree.name,
+                   {k: round(v, 3) for k, v in self._costs[key].items()})
+    return self._costs[key]
+
+  def tree_run(self, task: str, name: str, tree: trees.Tree, temperature: float):
+    drafter, draft_params = self.drafters[name]
+    tok, decode = self.target.tokenizer, self.decode
+    key = ("tree", task, name, tree.name)
+    fn = self.programs.get(key, lambda: trees.make_tree_decode(
+        self.target.model, drafter, trees.TreeConfig(tree, decode.max_new_tokens, decode.top_k,
+                                                     tok.eos_id, tok.pad_id)))
+    # Each prompt gets its own key (folded with its length): with one key for all, every prompt saw
+    # the same uniforms, and one small first uniform drew SmolLM2's low-id EOS for all of them.
+    run_one = lambda tokens, lengths, source: jax.block_until_ready(fn(
+        self.target.params, draft_params, tokens, lengths,
+        jax.random.fold_in(self.setup.rng, lengths[0]), temperature, decode.top_p))
+    return self.programs.timed(key, task, run_one)
+
+  def tree_prefill_seconds(self, task: str, name: str) -> float:
+    """The target's prefill with hidden states plus the drafter's init, on the task's shape."""
+    key = (task, name)
+    if key not in self._prefill:
+      drafter, draft_params = self.drafters[name]
+      tokens, lengths, _ = prompt = self.setup.prompts[task][0]
+      length = self.cache_length(prompt)
+      model = self.target.model
+
+      def prefill(params, dparams, tokens, lengths):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        return (model.feature_step(params, None, tokens, positions,
+                                   model.init_cache(tokens.shape[0], length)),
+                drafter.init(dparams, tokens, lengths, length))
+
+      compiled = jax.jit(prefill).lower(self.target.params, draft_params, tokens, lengths).compile()
+      self._prefill[key] = metrics.median_seconds(lambda: jax.block_until_ready(
+          compiled(self.target.params, draft_params, tokens, lengths)), 5)[0]
+    return self._prefill[key]
+
+
+def measure_point(bench: Bench, point: dict) -> dict:
+  task, name, temperature = point["task"], point["drafter"], point["temperature"]
+  tree = trees.Tree.from_name(point["tree"])
+  base_s, base_tokens, base_out = bench.programs.baseline(task, temperature)
+  tree_s, tree_tokens, tree_out = bench.tree_run(task, name, tree, temperature)
+  prompts = len(bench.setup.prompts[task])
+  base_decode = (base_s - prompts * bench.programs.prefill_seconds(task, None)) / max(
+      base_tokens - prompts, 1)
+  tree_decode = (tree_s - prompts * bench.tree_prefill_seconds(task, name)) / max(
+      tree_tokens - prompts, 1)
+  summary = metrics.summarize_outputs(tree_out)
+  num_accepted = np.concatenate([np.asarray(o.stats.num_accepted) for o in tree_out])
+  betas = np.concatenate([np.asarray(o.stats.acceptance_probs) for o in tree_out])
+  _, alpha_by_depth = metrics.per_position_acceptance(num_accepted, tree.depth)
+  reached = (num_accepted[..., None] >= np.arange(tree.depth)) & (num_accepted[..., None] >= 0)
+  beta_by_depth = [float(betas[..., d][reached[..., d]].mean()) if reached[..., d].any() else 0.0
+                   for d in range(tree.depth)]
+  costs = bench.costs(name, tree)
+  match = None
+  if temperature == 0.0:
+    match = all(np.array_equal(np.asarray(b.tokens), np.asarray(t.tokens))
+                for b, t in zip(base_out, tree_out))
+  return {
+      "target": speculative_sweep.size_name(bench.target.config), "drafter_kind": kind(name),
+      "tree_size": tree.size, "tree_depth": tree.depth, "tree_width": tree.width,
+      "tokens_per_target_call": summary["tokens_per_target_call"],
+      "alpha_by_depth": [float(a) for a in alpha_by_depth], "beta_by_depth": beta_by_depth,
+      "cost_draft": costs["draft"], "cost_verify": costs["verify"], "cost_accept": costs["accept"],
+      "target_step_ms": bench.target_ms,
+      "baseline_decode_ms_per_token": 1000 * base_decode,
+      "tree_decode_ms_per_token": 1000 * tree_decode, "decode_speedup": base_decode / tree_decode,
+      "speedup": (base_s / max(base_tokens, 1)) / (tree_s / max(tree_tokens, 1)),
+      "predicted_tokens_per_call": float(theory.tree_expected_tokens(beta_by_depth)),
+      "predicted_speedup": float(theory.tree_speedup(beta_by_depth, costs["draft"],
+                                                     costs["verify"], costs["accept"])),
+      "outputs_match_baseline": match, "prompts": prompts, "new_tokens": summary["tokens"],
+  }
+
+
+def kind(name: str) -> str:
+  inner = name.removeprefix("lookup+")
+  base = ("Medusa heads" if inner.startswith(trees.HEADS_PREFIX) else
+          "chain draft (top-k)" if inner.startswith("model:") else inner)
+  return f"lookup + {base}" if name.startswith("lookup+") else base
+
+
+def tree_table(rows: list[dict]) -> tables.Table:
+  """Drafter kind x tree x temperature, averaged over tasks (tokens per call weighted by calls)."""
+  out = []
+  for (drafter, tree, temp), group in sorted(tables.group(
+      rows, lambda r: (r["drafter"], r["tree"], r["temperature"])).items(), key=str):
+    mean = lambda key: tables.mean(r[key] for r in group)
+    with warnings.catch_warnings():  # a depth no point reached stays NaN, quietly
+      warnings.simplefilter("ignore", RuntimeWarning)
+      depths = np.nanmean(np.asarray([r["alpha_by_depth"] for r in group], np.float64), axis=0)
+    measured, predicted = mean("decode_speedup"), mean("predicted_speedup")
+    out.append((kind(drafter), drafter, f"{tree} ({group[0]['tree_size']})", temp,
+                 mean("tokens_per_target_call"), " ".join(f"{a:.2f}" for a in depths),
+                 mean("cost_draft"), mean("cost_verify"), mean("cost_accept"), measured, predicted,
+                 measured / predicted if measured and predicted else None,
+                 tables._match_outputs(group)))  # pylint: disable=protected-access
+  columns = [("kind", None), ("drafter", None), ("tree (T)", None), ("temp", "{:g}"),
+             ("tokens / call", "{:.2f}"), ("alpha by depth", None), ("draft", "{:.3f}"),
+             ("verify(T)", "{:.2f}"), ("accept", "{:.3f}"), ("speedup", "{:.2f}x"),
+             ("predicted", "{:.2f}x"), ("measured / predicted", "{:.2f}"), ("= greedy target", None)]
+  return tables.Table(
+      "trees", "Token trees: drafter x tree x temperature",
+      "no table of the two papers (they verify one chain); SpecInfer / Medusa report tokens per call "
+      "and speedup in this form", columns, out,
+      note="Held-out prompts, batch 1, EOS on. Costs are one iteration's parts in target steps: the "
+           "drafter's candidates, the target verifying the T nodes (v(T)), the walk with the cache "
+           "compaction. speedup = baseline decode ms/token over the tree loop's (prefills timed and "
+           "subtracted); predicted = theory.tree_speedup(beta by depth, costs).")
+
+
+@gin.configurable
+def sweep(output_dir: str = "out/smollm2_trees", target: run.ModelSpec = run.ModelSpec(),
+          prompts: run.PromptSpec = run.PromptSpec(), decode: run.DecodeSpec = run.DecodeSpec(),
+          grid: TreeSweepSpec = TreeSweepSpec(), seed: int = 0) -> list[dict]:
+  """Measure every point of `grid` into output_dir/results.jsonl (resumable), then trees.md / .csv."""
+  points = grid.points()
+  spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),
+          "decode": dataclasses.asdict(decode), "seed": seed, "sweep": dataclasses.asdict(grid),
+          "content_keys": {**run.content_keys(target, tuple(
+              d for d in grid.drafters if trees.HEADS_PREFIX not in d)), **{
+                  d: checkpoints.content_key(d.split(trees.HEADS_PREFIX, 1)[1])
+                  for d in grid.drafters if trees.HEADS_PREFIX in d}}}
+  loaded, _ = run.load_target(target, (1, 1))
+  if loaded.encoder_decoder:
+    raise ValueError("the tree sweep verifies decoder-only targets (trees.check_tree_target); "
+                     "sweep a T5 target with speculative_sweep.sweep")
+  bench = []
+
+  def measure(point):
+    if not bench:
+      start = time.perf_counter()
+      bench.append(Bench(loaded, grid, decode, seed, prompts.style))
+      logging.info("tree sweep of %d points; setup %.0fs", len(points), time.perf_counter() - start)
+    return measure_point(bench[0], point)
+
+  with outputs.RunDirectory(output_dir, spec, "results.jsonl", "sweep_fingerprint",
+                            gin.config_str()) as run_dir:
+    rows = resumable.run_sweep(points, measure, run_dir.results, desc="tree sweep", config=spec)
+    if jax.process_index() == 0:
+      table = tree_table(rows)
+      (run_dir.path / "trees.md").write_text(table.markdown() + "\n")
+      table.write_csv(run_dir.path / "trees.csv")
+  logging.info("tree sweep done: %d rows in %s", len(rows), output_dir)
+  return rows
