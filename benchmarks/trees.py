@@ -19,7 +19,7 @@ For every drafter x tree x temperature, side by side with the autoregressive bas
   predicted     theory.tree_speedup(beta_d, draft, verify(T), accept).
 Drafters: `lookup` (prompt lookup over the prompt + output, unigram fallback), `bigram` (sparse
 bigram counted on the train split), `model:<dir>` (a trained chain draft), each as a tree by its
-top-k per depth (trees.ChainTopK); `heads:<dir>` (Medusa heads on the target's hidden states).
+top-k per depth (tree_drafters.ChainTopK); `heads:<dir>` (Medusa heads on the target's hidden states).
 Writes benchmarks/results/{--out}.{json,md}. Runs unchanged on GPU / TPU (jax picks the device).
 """
 
@@ -38,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 import common
-from specjax import data, drafters, loading, metrics, theory, trees
+from specjax import data, drafters, loading, metrics, theory, tree_drafters, trees
 from specjax.metrics import ms_per_token, prefill_seconds, step_seconds, time_passes
 
 
@@ -82,9 +82,9 @@ def main():
   prompt_len = prompts[0][0].shape[1]
   names = args.drafters.split(",")
   for name in names:
-    trees.check_tree_drafter_name(name)
-  sequences = (data.train_sequences(tok) if any(map(trees.tree_drafter_needs_text, names)) else None)
-  made = {name: trees.make_tree_drafter(name, target.config, params, sequences) for name in names}
+    tree_drafters.check_tree_drafter_name(name)
+  sequences = (data.train_sequences(tok) if any(map(tree_drafters.tree_drafter_needs_text, names)) else None)
+  made = {name: tree_drafters.make_tree_drafter(name, target.config, params, sequences) for name in names}
   max_length = prompt_len + args.new_tokens + max(t.size for t in tree_list)
   print(f"{len(prompts)} prompts padded to {prompt_len} tokens, {args.new_tokens} new tokens; "
         f"drafters {names}; trees {[t.name for t in tree_list]}; setup "

@@ -9,8 +9,8 @@ compaction), decode ms per token of both and the speedup, theory.tree_speedup's 
 beta_d and those costs, and for greedy points whether the output equals the baseline's token for
 token. Then trees.md / trees.csv: the table of drafter kind x tree x temperature.
 
-Drafters are tree drafters by name (trees.make_tree_drafter): `heads:<dir>` (Medusa heads on the
-target's hidden states), `lookup+heads:<dir>`, or any chain drafter (`model:<dir>`, `lookup`,
+Drafters are tree drafters by name (tree_drafters.make_tree_drafter): `heads:<dir>` (Medusa heads
+on the target's hidden states), `lookup+heads:<dir>`, or any chain drafter (`model:<dir>`, `lookup`,
 `lookup+model:<dir>`, ...) as a tree of its top-k per depth. A chain drafter on `chain:D` is the chain
 draft of the speculative sweep with deterministic (top-1) drafts.
 """
@@ -29,7 +29,8 @@ from absl import logging
 
 from experiments import speculative_sweep, tables
 from experiments import sweep as resumable
-from specjax import checkpoints, data, metrics, outputs, run, sampling, theory, trees
+from specjax import (checkpoints, data, metrics, outputs, run, sampling, theory, tree_drafters,
+                     trees)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,7 @@ class TreeSweepSpec:
     for task in self.tasks:
       data.check_prompt_set_name(task)
     for name in self.drafters:
-      trees.check_tree_drafter_name(name)
+      tree_drafters.check_tree_drafter_name(name)
     shapes = [trees.Tree.from_name(name).name for name in self.trees]
     for temperature in self.temperatures:
       sampling.validate_sampling(float(temperature), 0, 1.0)
@@ -68,8 +69,9 @@ class Bench:
     self.target, self.spec, self.decode = target, spec, decode
     names = spec.drafters
     sequences = (data.train_sequences(target.tokenizer, False, style)
-                 if any(map(trees.tree_drafter_needs_text, names)) else None)
-    self.drafters = {name: trees.make_tree_drafter(name, target.config, target.params, sequences)
+                 if any(map(tree_drafters.tree_drafter_needs_text, names)) else None)
+    self.drafters = {name: tree_drafters.make_tree_drafter(name, target.config, target.params,
+                                                           sequences)
                      for name in names}
     prompts = {task: speculative_sweep.heldout_prompts(target, task, spec.prompts_per_task, style)
                for task in spec.tasks}
@@ -184,7 +186,7 @@ def measure_point(bench: Bench, point: dict) -> dict:
 
 def kind(name: str) -> str:
   inner = name.removeprefix("lookup+")
-  base = ("Medusa heads" if inner.startswith(trees.HEADS_PREFIX) else
+  base = ("Medusa heads" if inner.startswith(tree_drafters.HEADS_PREFIX) else
           "chain draft (top-k)" if inner.startswith("model:") else inner)
   return f"lookup + {base}" if name.startswith("lookup+") else base
 
@@ -227,9 +229,9 @@ def sweep(output_dir: str = "out/smollm2_trees", target: run.ModelSpec = run.Mod
   spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),
           "decode": dataclasses.asdict(decode), "seed": seed, "sweep": dataclasses.asdict(grid),
           "content_keys": {**run.content_keys(target, tuple(
-              d for d in grid.drafters if trees.HEADS_PREFIX not in d)), **{
-                  d: checkpoints.content_key(d.split(trees.HEADS_PREFIX, 1)[1])
-                  for d in grid.drafters if trees.HEADS_PREFIX in d}}}
+              d for d in grid.drafters if tree_drafters.HEADS_PREFIX not in d)), **{
+                  d: checkpoints.content_key(d.split(tree_drafters.HEADS_PREFIX, 1)[1])
+                  for d in grid.drafters if tree_drafters.HEADS_PREFIX in d}}}
   loaded, _ = run.load_target(target, (1, 1))
   if loaded.encoder_decoder:
     raise ValueError("the tree sweep verifies decoder-only targets (trees.check_tree_target); "

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import (BigramDrafter, assert_follows_laws, bigram_cache, bigram_marginals,
                       bigram_step, random_decoder_params)
-from specjax import autoregressive, contracts, drafters, sampling, speculative, trees
+from specjax import (autoregressive, contracts, drafters, sampling, speculative, tree_drafters,
+                     trees)
 from specjax.models import decoder_only
 
 TINY = decoder_only.SIZES["tiny"]
@@ -112,7 +113,7 @@ def test_greedy_equals_target_greedy(kind, tree_name):
       "identical model": (drafters.ModelDrafter(model), params),
       "prompt lookup": (drafters.PromptLookupDrafter(128, max_ngram=2), None)}[kind]
   tree = trees.Tree.from_name(tree_name)
-  out = trees.make_tree_decode(model, trees.ChainTopK(drafter),
+  out = trees.make_tree_decode(model, tree_drafters.ChainTopK(drafter),
                                trees.TreeConfig(tree, 20, eos_id=eos, pad_id=-1))(
       params, draft_params, prompts, lengths, jax.random.PRNGKey(3), 0.0)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
@@ -170,8 +171,8 @@ def _candidate_table(case, depth, width, seed=11):
 @functools.lru_cache(maxsize=None)
 def _stat_fn(drafter_kind, tree_name, top_k):
   drafter = {"table": TableTreeDrafter(),
-             "bigram top-k": trees.ChainTopK(BigramDrafter()),
-             "lookup": trees.ChainTopK(drafters.PromptLookupDrafter(VOCAB, 2, 1))}[drafter_kind]
+             "bigram top-k": tree_drafters.ChainTopK(BigramDrafter()),
+             "lookup": tree_drafters.ChainTopK(drafters.PromptLookupDrafter(VOCAB, 2, 1))}[drafter_kind]
   return trees.make_tree_decode(tree_bigram_model(), drafter,
                                 trees.TreeConfig(trees.Tree.from_name(tree_name), MAX_NEW,
                                                  top_k=top_k))
@@ -330,7 +331,7 @@ def test_bad_input():
   with pytest.raises(ValueError, match="cannot verify token trees"):
     trees.make_tree_decode(contracts.StepModel(bigram_step, bigram_cache), TableTreeDrafter(),
                            trees.TreeConfig(trees.Tree.chain(2), 4))
-  decode = trees.make_tree_decode(model, trees.ChainTopK(drafters.PromptLookupDrafter(128)),
+  decode = trees.make_tree_decode(model, tree_drafters.ChainTopK(drafters.PromptLookupDrafter(128)),
                                   trees.TreeConfig(trees.Tree.chain(2), 4))
   prompt = jnp.ones((1, 3), jnp.int32)
   with pytest.raises(ValueError, match="temperature must be >= 0"):
@@ -344,7 +345,7 @@ def test_top_ids_equal_lax_top_k():
   scores = jax.random.normal(jax.random.PRNGKey(0), (5, 300))
   scores = scores.at[:, 7].set(scores[:, 3])  # a tie: the lower id first, as lax.top_k
   for width in (1, 3, 6):
-    np.testing.assert_array_equal(trees.top_ids(scores, width), jax.lax.top_k(scores, width)[1])
+    np.testing.assert_array_equal(tree_drafters.top_ids(scores, width), jax.lax.top_k(scores, width)[1])
 
 
 def test_lookup_in_front_copies_the_repeated_span():
@@ -352,7 +353,7 @@ def test_lookup_in_front_copies_the_repeated_span():
   rank 0 of each depth and the inner drafter's candidates behind them; elsewhere only the inner's."""
   inner = TableTreeDrafter()
   table = np.tile(np.arange(3, 6, dtype=np.int32)[None, None, :], (VOCAB, 3, 1))  # ranks 3, 4, 5
-  drafter = trees.LookupThenTree(inner, max_ngram=2, min_ngram=2)
+  drafter = tree_drafters.LookupThenTree(inner, max_ngram=2, min_ngram=2)
   history = jnp.asarray([[0, 1, 2, 0, 1, 0, 0, 0], [5, 4, 3, 2, 1, 0, 0, 0]], jnp.int32)
   position = jnp.asarray([4, 4], jnp.int32)  # row 0 ends with "0 1", seen at 0..1 followed by 2, 0, 1
   candidates, _ = drafter.candidates(jnp.asarray(table), None, history, position, None, 3, 3)
