@@ -268,12 +268,18 @@ def one_token(prompt: tuple[jax.Array, jax.Array], width: int = 1) -> tuple[jax.
 
 
 def tree_step_costs(model: contracts.Model, params, drafter, draft_params, tree, prompt,
-                    max_length: int, repeats: int, parts=("draft", "verify", "accept")) -> dict:
+                    max_length: int, repeats: int, parts=("draft", "verify", "accept"),
+                    temperature: float = 0.0) -> dict:
   """ms of one tree iteration's `parts` at batch 1 after `prompt` (trees.py), each timed like
   `step_seconds`: `draft` the drafter's candidates for the whole tree, `verify` the target scoring
-  the T nodes with the tree mask (transform at every node), `accept` the walk (transform, a draw per
-  depth) plus the cache compaction. verify and accept depend on the tree only (measure them once per
-  tree: the median of 3 medians, as single medians of a 40 ms step moved by 20 % here)."""
+  the T nodes with the tree mask, `accept` the transform at every node (temperature traced, as in the
+  loop), the walk and the cache compaction. verify and accept depend on the tree only (measure them
+  once per tree: the median of 3 medians, as single medians of a 40 ms step moved by 20 % here).
+
+  Every input a part reads (hidden state, history, node logits) rides in the timed loop's state behind
+  a select on the step counter that XLA cannot resolve: inputs that stay the same from step to step
+  let XLA hoist the whole part out of the timed loop as loop-invariant code, which it did here (a
+  stateless drafter's candidates and the walk were computed once per call, not once per step)."""
   from specjax import trees  # pylint: disable=import-outside-toplevel  (trees imports this module)
   tokens, lengths = prompt
   history = jnp.zeros((1, max_length), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
@@ -283,35 +289,46 @@ def tree_step_costs(model: contracts.Model, params, drafter, draft_params, tree,
   cache = contracts.set_lengths(cache, lengths)
   features = hidden[:, -1].astype(jnp.float32)
   probe = one_token(prompt)
-
-  def draft(params, state, _tokens, _positions):
-    return drafter.candidates(params, state, history, lengths - 1, features, tree.depth, tree.width)
-
   node_inputs = trees.attention_inputs(tree, lengths, max_length)
-
-  def verify(params, cache, tokens, _positions):
-    node_tokens = jnp.broadcast_to(tokens[:, :1], (1, tree.size))
-    logits, _, new_cache = model.feature_step(params, None, node_tokens, node_inputs[0], cache,
-                                              *node_inputs[1:])
-    return jnp.argmax(_sampled(logits), axis=-1), contracts.set_lengths(new_cache, cache.lengths)
-
   node_logits = jnp.broadcast_to(logits[:, -1:], (1, tree.size, logits.shape[-1]))
   steps = jnp.arange(1, tree.depth + 1, dtype=jnp.int32)
 
-  def accept(node_logits, cache, tokens, _positions):
-    node_tokens = jnp.broadcast_to(tokens[:, :1], (1, tree.size))
-    path, accepted, next_token, _ = trees.walk(tree, node_tokens, _sampled(node_logits),
-                                               jnp.full((1, tree.depth + 1), 0.5))
+  def varying(step, value):
+    """`value`, through a select XLA cannot resolve at compile time (step is never negative)."""
+    return jnp.where(step < 0, value + 1, value)
+
+  def draft(params, state, _tokens, _positions):
+    drafter_state, features, history, step = state
+    candidates, drafter_state = drafter.candidates(
+        params, drafter_state, varying(step, history), lengths - 1, varying(step, features),
+        tree.depth, tree.width)
+    return candidates, (drafter_state, features, history, step + 1)
+
+  def verify(params, state, tokens, _positions):
+    cache, step = state
+    node_tokens = varying(step, jnp.broadcast_to(tokens[:, :1], (1, tree.size)))
+    logits, _, new_cache = model.feature_step(params, None, node_tokens, node_inputs[0], cache,
+                                              *node_inputs[1:])
+    return jnp.argmax(logits, axis=-1), (contracts.set_lengths(new_cache, cache.lengths), step + 1)
+
+  def accept(temperature, state, tokens, _positions):
+    node_logits, cache, step = state
+    node_tokens = varying(step, jnp.broadcast_to(tokens[:, :1], (1, tree.size)))
+    uniforms = jax.random.uniform(jax.random.fold_in(jax.random.PRNGKey(0), step),
+                                  (1, tree.depth + 1))
+    probs = sampling.probs_from_logits(varying(step, node_logits), temperature)
+    path, accepted, next_token, betas = trees.walk(tree, node_tokens, probs, uniforms)
     cache = model.move_cache(cache, lengths[:, None] + path[:, 1:], lengths[:, None] + steps)
-    return next_token + accepted, cache
+    return next_token + accepted + jnp.sum(betas > 0.5), (node_logits, cache, step + 1)
 
   def timed(step, step_params, state):
     fresh = lambda: jax.tree_util.tree_map(jnp.copy, state)  # step_seconds donates its state
     return 1000 * statistics.median(step_seconds(step, step_params, fresh(), *probe, repeats)
                                     for _ in range(3))
 
-  runs = {"draft": lambda: timed(draft, draft_params,
-                                 drafter.init(draft_params, tokens, lengths, max_length)),
-          "verify": lambda: timed(verify, params, cache),
-          "accept": lambda: timed(accept, node_logits, cache)}
+  zero = jnp.zeros((), jnp.int32)
+  runs = {"draft": lambda: timed(draft, draft_params, (
+              drafter.init(draft_params, tokens, lengths, max_length), features, history, zero)),
+          "verify": lambda: timed(verify, params, (cache, zero)),
+          "accept": lambda: timed(accept, jnp.float32(temperature), (node_logits, cache, zero))}
   return {part: runs[part]() for part in parts}
