@@ -1,6 +1,6 @@
 """Token trees on SmolLM2-135M: tokens per target call, where the time goes, measured vs predicted.
 
-    .venv/bin/python benchmarks/trees.py [--drafters lookup,bigram,heads:out/smollm2_heads]
+    .venv/bin/python benchmarks/trees.py [--drafters lookup,bigram,mtp:out/smollm2_mtp/heads]
         [--trees chain:3,spine:3x3,full:3,2,1] [--temperatures 0,1] [--prompts 8] [--new_tokens 64]
 
 One process, batch 1, held-out HumanEval prompts (never seen by any trained drafter: their training
@@ -11,15 +11,18 @@ For every drafter x tree x temperature, side by side with the autoregressive bas
   alpha_d       conditional pass rate at depth d (passed d / reached d), and `beta_d` its expectation
                 (the target's mass on the node's candidate tokens, SpecStats.acceptance_probs);
   draft, verify(T), accept
-                the cost of one iteration's parts in target steps (T = 1 step = 1): the drafter's
-                candidates call; the target scoring the T tree nodes (tree mask, transform at every
-                node); the acceptance walk (transform, a draw per depth, cache compaction). Each is
-                timed jitted with several calls chained inside one program (metrics.step_seconds);
+                the cost of one iteration's parts in autoregressive steps (the baseline's decode
+                ms per token at that temperature = 1): the drafter's
+                candidates call; the target scoring the T tree nodes (tree mask); the transform at
+                every node, the acceptance walk and the cache compaction. Each is timed jitted with
+                several calls chained inside one program, its inputs varied from call to call so
+                that XLA cannot hoist it out (metrics.tree_step_costs);
   speedup       baseline ms/token / tree ms/token, decode only (prefills timed and subtracted);
   predicted     theory.tree_speedup(beta_d, draft, verify(T), accept).
 Drafters: `lookup` (prompt lookup over the prompt + output, unigram fallback), `bigram` (sparse
 bigram counted on the train split), `model:<dir>` (a trained chain draft), each as a tree by its
-top-k per depth (tree_drafters.ChainTopK); `heads:<dir>` (Medusa heads on the target's hidden states).
+top-k per depth (tree_drafters.ChainTopK); `heads:<dir>` (Medusa heads on the target's hidden states),
+`mtp:<dir>` (the shared MTP head applied recursively on them), `lookup+heads:<dir>`, `lookup+mtp:<dir>`.
 Writes benchmarks/results/{--out}.{json,md}. Runs unchanged on GPU / TPU (jax picks the device).
 """
 
@@ -149,7 +152,9 @@ def _row(name, tree, temperature, outputs, decode_ms, e2e_ms, baseline, target_m
   reached = (num_accepted[..., None] >= np.arange(tree.depth)) & (num_accepted[..., None] >= 0)
   beta_d = [float(betas[..., d][reached[..., d]].mean()) if reached[..., d].any() else 0.0
             for d in range(tree.depth)]
-  costs = {part: ms / target_ms for part, ms in costs_ms.items()}
+  # In autoregressive steps: the baseline's decode ms per token at this temperature is the unit the
+  # speedup is relative to (a separately timed target step drifted by 10 % from it over a run).
+  costs = {part: ms / baseline[temperature]["decode_ms"] for part, ms in costs_ms.items()}
   row = {"drafter": name, "tree": tree.name, "tree_size": tree.size, "temperature": temperature,
          "tokens_per_target_call": summary["tokens_per_target_call"],
          "alpha_by_depth": [float(x) for x in conditional], "beta_by_depth": beta_d,
@@ -173,8 +178,9 @@ def write(args, rows, baseline, target_ms, keys, prompt_len, total_s):
       f"SmolLM2-135M-Instruct target, float32, batch 1, {len(keys)} held-out HumanEval prompts "
       f"({', '.join(keys)}) padded to {prompt_len} tokens, {args.new_tokens} new tokens, EOS off; "
       f"{platform.machine()} with {os.cpu_count()} cores; {args.repeats} timed pass(es) after "
-      f"ahead-of-time compilation and {args.warmup} warm-up run(s). Costs in target steps (one "
-      f"target step on 1 token = {target_ms:.1f} ms): draft = the drafter's candidates for the whole "
+      f"ahead-of-time compilation and {args.warmup} warm-up run(s). Costs in autoregressive steps "
+      f"(the baseline's decode ms per token at that temperature; a target step on 1 token timed "
+      f"alone: {target_ms:.1f} ms): draft = the drafter's candidates for the whole "
       f"tree, verify = the target scoring the T nodes, accept = transform + walk + compaction. "
       f"alpha_d = passed / reached at depth d; predicted = theory.tree_speedup(beta_d, costs). "
       f"Total run {total_s / 60:.1f} min.", "",

@@ -10,7 +10,8 @@ beta_d and those costs, and for greedy points whether the output equals the base
 token. Then trees.md / trees.csv: the table of drafter kind x tree x temperature.
 
 Drafters are tree drafters by name (tree_drafters.make_tree_drafter): `heads:<dir>` (Medusa heads
-on the target's hidden states), `lookup+heads:<dir>`, or any chain drafter (`model:<dir>`, `lookup`,
+on the target's hidden states), `mtp:<dir>` (the shared MTP head applied recursively on them),
+`lookup+heads:<dir>`, `lookup+mtp:<dir>`, or any chain drafter (`model:<dir>`, `lookup`,
 `lookup+model:<dir>`, ...) as a tree of its top-k per depth. A chain drafter on `chain:D` is the chain
 draft of the speculative sweep with deterministic (top-1) drafts.
 """
@@ -95,7 +96,7 @@ class Bench:
     return prompt[0].shape[1] + self.decode.max_new_tokens + self.max_size
 
   def costs(self, name: str, tree: trees.Tree) -> dict:
-    """Each part of an iteration in target steps (metrics.tree_step_costs / the target step)."""
+    """ms of each part of an iteration (metrics.tree_step_costs)."""
     key = (name, tree.name)
     if key not in self._costs:
       drafter, params = self.drafters[name]
@@ -105,9 +106,9 @@ class Bench:
       if tree.name not in self._costs:  # verify and accept depend on the tree alone
         self._costs[tree.name] = probe(("verify", "accept"))
       ms = {**self._costs[tree.name], **probe(("draft",))}
-      self._costs[key] = {part: value / self.target_ms for part, value in ms.items()}
+      self._costs[key] = ms
       logging.info("%s %s: iteration parts in target steps %s", name, tree.name,
-                   {k: round(v, 3) for k, v in self._costs[key].items()})
+                   {k: round(v / self.target_ms, 3) for k, v in ms.items()})
     return self._costs[key]
 
   def tree_run(self, task: str, name: str, tree: trees.Tree, temperature: float):
@@ -162,7 +163,10 @@ def measure_point(bench: Bench, point: dict) -> dict:
   reached = (num_accepted[..., None] >= np.arange(tree.depth)) & (num_accepted[..., None] >= 0)
   beta_by_depth = [float(betas[..., d][reached[..., d]].mean()) if reached[..., d].any() else 0.0
                    for d in range(tree.depth)]
-  costs = bench.costs(name, tree)
+  # Costs in autoregressive steps: ms over the baseline's decode ms per token at this temperature,
+  # measured beside the tree run (the unit the speedup is relative to; a separately timed target
+  # step drifted by 10 % from it over a run on this shared machine).
+  costs = {part: ms / (1000 * base_decode) for part, ms in bench.costs(name, tree).items()}
   match = None
   if temperature == 0.0:
     match = all(np.array_equal(np.asarray(b.tokens), np.asarray(t.tokens))
@@ -187,6 +191,7 @@ def measure_point(bench: Bench, point: dict) -> dict:
 def kind(name: str) -> str:
   inner = name.removeprefix("lookup+")
   base = ("Medusa heads" if inner.startswith(tree_drafters.HEADS_PREFIX) else
+          "MTP head" if inner.startswith(tree_drafters.MTP_PREFIX) else
           "chain draft (top-k)" if inner.startswith("model:") else inner)
   return f"lookup + {base}" if name.startswith("lookup+") else base
 
@@ -214,9 +219,10 @@ def tree_table(rows: list[dict]) -> tables.Table:
       "trees", "Token trees: drafter x tree x temperature",
       "no table of the two papers (they verify one chain); SpecInfer / Medusa report tokens per call "
       "and speedup in this form", columns, out,
-      note="Held-out prompts, batch 1, EOS on. Costs are one iteration's parts in target steps: the "
-           "drafter's candidates, the target verifying the T nodes (v(T)), the walk with the cache "
-           "compaction. speedup = baseline decode ms/token over the tree loop's (prefills timed and "
+      note="Held-out prompts, batch 1, EOS on. Costs are one iteration's parts in autoregressive "
+           "steps (the baseline's decode ms per token at that temperature): the drafter's "
+           "candidates, the target verifying the T nodes (v(T)), the transform at every node with "
+           "the walk and the cache compaction. speedup = baseline decode ms/token over the tree loop's (prefills timed and "
            "subtracted); predicted = theory.tree_speedup(beta by depth, costs).")
 
 
@@ -229,9 +235,9 @@ def sweep(output_dir: str = "out/smollm2_trees", target: run.ModelSpec = run.Mod
   spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),
           "decode": dataclasses.asdict(decode), "seed": seed, "sweep": dataclasses.asdict(grid),
           "content_keys": {**run.content_keys(target, tuple(
-              d for d in grid.drafters if tree_drafters.HEADS_PREFIX not in d)), **{
-                  d: checkpoints.content_key(d.split(tree_drafters.HEADS_PREFIX, 1)[1])
-                  for d in grid.drafters if tree_drafters.HEADS_PREFIX in d}}}
+              d for d in grid.drafters if tree_drafters.feature_directory(d) is None)), **{
+                  d: checkpoints.content_key(tree_drafters.feature_directory(d))
+                  for d in grid.drafters if tree_drafters.feature_directory(d) is not None}}}
   loaded, _ = run.load_target(target, (1, 1))
   if loaded.encoder_decoder:
     raise ValueError("the tree sweep verifies decoder-only targets (trees.check_tree_target); "

@@ -3,9 +3,9 @@
 # defaults (CPU): the SmolLM2 sweep, the SmolLM2 token-tree sweep, then the T5 sweep.
 #  - the SmolLM2 draft is distilled on the first run (configs/smollm2_draft.gin) and reused from
 #    out/smollm2_draft afterwards;
-#  - Medusa heads for SmolLM2 are trained on the first run from the same teacher data
-#    (configs/smollm2_heads.gin) and reused from out/smollm2_heads afterwards; the token-tree sweep
-#    (configs/smollm2_trees.gin) shows them beside the chain draft;
+#  - the shared MTP head for SmolLM2 is trained on the first run from the same teacher data
+#    (configs/smollm2_mtp.gin) and reused from out/smollm2_mtp afterwards; the token-tree sweep
+#    (configs/smollm2_trees.gin) shows it beside the chain draft;
 #  - the T5 experiment's target and three drafts are trained on the first run (configs/t5_gettext/*.gin,
 #    Django's gettext catalogs) and reused from out/t5_gettext afterwards.
 # Every step shows progress with an ETA; a killed run resumes where it stopped.
@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m specjax.train_draft --gin_file=configs/smollm2_draft.gin
-.venv/bin/python -m specjax.train_heads --gin_file=configs/smollm2_heads.gin
+.venv/bin/python -m specjax.train_heads --gin_file=configs/smollm2_mtp.gin
 for model in target draft_small draft_base draft_large; do
   .venv/bin/python -m specjax.train --gin_file="configs/t5_gettext/$model.gin"
 done

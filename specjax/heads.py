@@ -194,8 +194,8 @@ def save_heads(directory, heads: dict, head_tokens, target_config, fingerprint: 
   return directory
 
 
-def read_heads(directory) -> tuple[dict, np.ndarray | None, dict]:
-  """(heads, head_tokens or None, metadata) of a saved directory, without checking the target."""
+def read_metadata(directory) -> dict:
+  """heads.json of a saved directory (Medusa heads or an MTP head: its "kind")."""
   directory = pathlib.Path(directory)
   if not (directory / METADATA_FILE).is_file():
     raise FileNotFoundError(f"no trained heads in {directory} ({METADATA_FILE} missing); train them "
@@ -204,6 +204,15 @@ def read_heads(directory) -> tuple[dict, np.ndarray | None, dict]:
   if meta.get("format") != FORMAT:
     raise ValueError(f"{directory} holds heads of format {meta.get('format')}; this version reads "
                      f"format {FORMAT}: retrain them with `{TRAIN_COMMAND}`")
+  return meta
+
+
+def read_heads(directory) -> tuple[dict, np.ndarray | None, dict]:
+  """(heads, head_tokens or None, metadata) of a saved directory, without checking the target."""
+  directory = pathlib.Path(directory)
+  meta = read_metadata(directory)
+  if meta.get("kind", "medusa") != "medusa":
+    raise ValueError(f"{directory} holds an MTP head, not Medusa heads: name it mtp:{directory}")
   with np.load(directory / WEIGHTS_FILE) as arrays:
     kernel, bias = arrays["kernel"], arrays["bias"]
     head_tokens = arrays["head_tokens"] if "head_tokens" in arrays else None

@@ -1,6 +1,7 @@
-"""Train Medusa-1 heads (specjax/heads.py) on a decoder-only target's own hidden states.
+"""Train Medusa-1 heads (specjax/heads.py) or a shared MTP head (specjax/mtp.py, HeadsSpec.kind =
+"mtp") on a decoder-only target's own hidden states.
 
-    python -m specjax.train_heads --gin_file=configs/smollm2_heads.gin
+    python -m specjax.train_heads --gin_file=configs/smollm2_heads.gin   (or smollm2_mtp.gin)
 
 Stages, each kept so that nothing computed is lost (output_dir is held by one run at a time and
 refused to another spec, the target's weights included, as in specjax/outputs.py):
@@ -18,9 +19,12 @@ refused to another spec, the target's weights included, as in specjax/outputs.py
    plus `distill_weight` times the cross-entropy to the target's own top-k distribution of that token
    (what it predicted at t + k, seeing the true prefix: Medusa-2's self-distillation target).
    Positions are examples of their own (a head sees one hidden state), so a batch is a fixed number
-   of positions from all sequences: one compiled shape, no padding.
-4. Output: heads/ (heads.npz + heads.json with the target's fingerprint; `heads.load_heads` reads
-   it back for that target only) and summary.json with per-head held-out cross-entropy, top-1 and
+   of positions from all sequences: one compiled shape, no padding. The MTP head (kind "mtp") is
+   unrolled num_heads steps from position t with the sequence's tokens at t + 1 .. t + K as inputs;
+   step k is scored like head k (the token at t + k + 1) plus `feature_weight` times the squared
+   error of its predicted hidden state against the target's at t + k.
+4. Output: heads/ (heads.npz or mtp.npz + heads.json with the target's fingerprint;
+   `heads.load_heads` / `mtp.load_mtp` read it back for that target only) and summary.json with per-head held-out cross-entropy, top-1 and
    top-`top_width` accuracy and coverage before (= the target's own next-token head) and after
    training, and the wall times.
 """
@@ -40,7 +44,7 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from specjax import assets, heads, outputs, run
+from specjax import assets, heads, mtp, outputs, run
 from specjax.models import decoder_only
 from specjax.teacher import Sequences, TeacherSpec, load_teacher_data, split_validation
 from specjax.train_draft import choose_head_tokens, head_index_map
@@ -49,8 +53,11 @@ from specjax.training import TrainSpec, fit, loss_logger, make_optimizer, make_t
 
 @dataclasses.dataclass(frozen=True)
 class HeadsSpec:
-  """The heads and what is measured of them."""
+  """The heads and what is measured of them. kind "medusa": num_heads heads; kind "mtp": one shared
+  head trained unrolled over num_heads steps."""
   num_heads: int = 4
+  kind: str = "medusa"
+  feature_weight: float = 1.0     # (mtp) weight of the hidden-state squared error
   head_size: int = 4096           # tokens the heads score (0: the whole vocabulary)
   distill_weight: float = 0.0     # weight of the cross-entropy to the target's own top-k
   top_width: int = 4              # held-out accuracy is also reported within each head's top this
@@ -61,6 +68,8 @@ class HeadsSpec:
     if self.num_heads < 1 or self.top_width < 1 or self.head_size < 0:
       raise ValueError("num_heads and top_width must be >= 1 and head_size >= 0, got "
                        f"{self.num_heads}, {self.top_width}, {self.head_size}")
+    if self.kind not in ("medusa", "mtp"):
+      raise ValueError(f"HeadsSpec.kind must be 'medusa' or 'mtp', got {self.kind!r}")
 
 
 # ---- 2. the target's hidden states ------------------------------------------------------------------
@@ -139,11 +148,14 @@ def position_examples(seqs: Sequences, num_heads: int) -> tuple[np.ndarray, np.n
 
 
 def make_batches(features: np.ndarray, seqs: Sequences, num_heads: int, index_map: np.ndarray,
-                 positions_per_batch: int, seed: int, distill: bool) -> list[dict]:
+                 positions_per_batch: int, seed: int, distill: bool,
+                 unrolled: bool = False) -> list[dict]:
   """Batches of `positions_per_batch` examples in a seeded order (the last one padded with examples
   that have no labels). hidden [B, E] float16, labels [B, K] vocab ids (-1: none), columns [B, K]
   (the label's head column, -1 off the head or none); with `distill`, the target's top-k at t + k as
-  head columns [B, K, k] and probabilities [B, K, k]."""
+  head columns [B, K, k] and probabilities [B, K, k]; with `unrolled` (MTP), inputs [B, K] (the
+  tokens at t + 1 .. t + K, 0 past the end) and next_hidden [B, K, E] float16 (the target's states
+  there)."""
   index, labels = position_examples(seqs, num_heads)
   order = np.random.default_rng(seed).permutation(len(index))
   padded = -(-len(order) // positions_per_batch) * positions_per_batch
@@ -163,14 +175,26 @@ def make_batches(features: np.ndarray, seqs: Sequences, num_heads: int, index_ma
       has = (batch_labels >= 0)[..., None]
       batch["teacher_columns"] = np.where(has, index_map[seqs.teacher_ids[ahead]], -1).astype(np.int32)
       batch["teacher_probs"] = np.where(has, np.exp(seqs.teacher_logp[ahead]), 0.0).astype(np.float32)
+    if unrolled:
+      # Step k's input is the token at t + k, which exists whenever its label (at t + k + 1) does.
+      ahead = np.minimum(where[:, None] + np.arange(1, num_heads + 1), len(seqs.tokens) - 1)
+      batch["inputs"] = np.where(batch_labels >= 0, seqs.tokens[ahead], 0).astype(np.int32)
+      batch["next_hidden"] = features[ahead]
     batches.append(batch)
   return batches
 
 
 def head_terms(params, head_rows, batch):
   """(logits [B, K, S], per example and head: cross-entropy to the label (0 off the head or with no
-  label), and with teacher data the cross-entropy to the target's top-k on the head)."""
-  logits = heads.head_logits(params, head_rows, batch["hidden"])
+  label), and with teacher data the cross-entropy to the target's top-k on the head; for the MTP
+  head (batches with inputs) also the squared error of each step's hidden state [B, K])."""
+  feature_error = None
+  if "inputs" in batch:
+    states, logits = mtp.unroll(params, batch["embed_rows"], head_rows, batch["hidden"],
+                                batch["inputs"])
+    feature_error = jnp.mean(jnp.square(states - batch["next_hidden"].astype(jnp.float32)), -1)
+  else:
+    logits = heads.head_logits(params, head_rows, batch["hidden"])
   logq = jax.nn.log_softmax(logits, axis=-1)
   columns = batch["columns"]
   hard = -jnp.take_along_axis(logq, jnp.maximum(columns, 0)[..., None], axis=-1)[..., 0]
@@ -180,29 +204,35 @@ def head_terms(params, head_rows, batch):
     teacher = batch["teacher_columns"]
     logq_k = jnp.take_along_axis(logq, jnp.maximum(teacher, 0), axis=-1)
     soft = -jnp.where(teacher >= 0, batch["teacher_probs"] * logq_k, 0.0).sum(-1)
-  return logits, hard, soft
+  return logits, hard, soft, feature_error
 
 
 class Trainer:
   """The jitted train and eval steps of K heads over fixed output rows (one compiled shape)."""
 
-  def __init__(self, num_heads: int, head_rows, spec: TrainSpec, heads_spec: HeadsSpec):
+  def __init__(self, num_heads: int, head_rows, spec: TrainSpec, heads_spec: HeadsSpec,
+               embed_rows=None):
     self.num_heads, self.spec, self.heads_spec = num_heads, spec, heads_spec
     self.head_rows = jnp.asarray(head_rows)
+    self.embed_rows = None if embed_rows is None else jnp.asarray(embed_rows)
     self.optimizer = make_optimizer(spec)
     weight = heads_spec.distill_weight
 
     def loss_fn(params, batch):
-      _, hard, soft = head_terms(params, batch["head_rows"], batch)
+      _, hard, soft, feature_error = head_terms(params, batch["head_rows"], batch)
       on_head = (batch["columns"] >= 0).astype(jnp.float32)
       loss = (hard.sum(0) / jnp.maximum(on_head.sum(0), 1.0)).sum()
+      if feature_error is not None:
+        has = (batch["labels"] >= 0).astype(jnp.float32)
+        loss += heads_spec.feature_weight * ((feature_error * has).sum(0)
+                                             / jnp.maximum(has.sum(0), 1.0)).sum()
       if soft is not None and weight:
         has = (batch["labels"] >= 0).astype(jnp.float32)
         loss += weight * (soft.sum(0) / jnp.maximum(has.sum(0), 1.0)).sum()
       return loss
 
     def eval_step(params, batch):
-      logits, hard, _ = head_terms(params, batch["head_rows"], batch)
+      logits, hard, _, _ = head_terms(params, batch["head_rows"], batch)
       columns, has = batch["columns"], batch["labels"] >= 0
       top = jax.lax.top_k(logits, heads_spec.top_width)[1]
       top1 = (top[..., 0] == columns) & (columns >= 0)
@@ -220,7 +250,9 @@ class Trainer:
   def _with_rows(self, batch):
     # The frozen output rows go in as an argument (not a constant baked into the program), the same
     # device array every step, so nothing is copied.
-    return {**batch, "head_rows": self.head_rows}
+    if self.embed_rows is None:
+      return {**batch, "head_rows": self.head_rows}
+    return {**batch, "head_rows": self.head_rows, "embed_rows": self.embed_rows}
 
   def evaluate(self, params, batches) -> dict:
     """Per head k: held-out cross-entropy over labels on the head, top-1 and top-`top_width`
@@ -265,8 +297,8 @@ def train(output_dir: str = "out/smollm2_heads", target=None, heads_spec: HeadsS
     started = time.perf_counter()
     loaded = run.load_model(target)
     if not isinstance(loaded.config, decoder_only.DecoderConfig):
-      raise ValueError(f"Medusa heads read a decoder-only (Llama-family) target's hidden states; "
-                       f"{target.checkpoint} is an encoder-decoder model")
+      raise ValueError("heads (Medusa or MTP) read a decoder-only (Llama-family) target's hidden "
+                       f"states; {target.checkpoint} is an encoder-decoder model")
     loaded = dataclasses.replace(loaded, params=jax.device_put(loaded.params))
     seqs = load_teacher_data({**dataclasses.asdict(target),
                               "content_key": spec["content_keys"]["target"]}, loaded, teacher, seed)
@@ -304,14 +336,16 @@ def train_on_sequences(output_dir, loss_log: outputs.RowsFile | None, target_con
   head_tokens = (choose_head_tokens(train_seqs, target_config.vocab_size, heads_spec.head_size)
                  if heads_spec.head_size else None)
   index_map = head_index_map(target_config.vocab_size, head_tokens)
-  distill = heads_spec.distill_weight > 0
+  distill, unrolled = heads_spec.distill_weight > 0, heads_spec.kind == mtp.KIND
   train_batches = make_batches(train_features, train_seqs, heads_spec.num_heads, index_map,
-                               training.tokens_per_batch, seed, distill)
+                               training.tokens_per_batch, seed, distill, unrolled)
   val_batches = make_batches(val_features, val_seqs, heads_spec.num_heads, index_map,
-                             training.tokens_per_batch, seed, distill=False)
+                             training.tokens_per_batch, seed, distill=False, unrolled=unrolled)
   rows, _ = heads.head_rows(target_config, target_params, head_tokens)
-  trainer = Trainer(heads_spec.num_heads, rows, training, heads_spec)
-  initial = heads.init_heads(heads_spec.num_heads, target_config.embed_dim)
+  trainer = Trainer(heads_spec.num_heads, rows, training, heads_spec,
+                    mtp.input_rows(target_config, target_params) if unrolled else None)
+  initial = (mtp.init_mtp(target_config.embed_dim) if unrolled
+             else heads.init_heads(heads_spec.num_heads, target_config.embed_dim))
   before = trainer.evaluate(initial, val_batches)
   logging.info("held-out before training (the target's own head): %s", before)
   fit_start = time.perf_counter()
@@ -324,12 +358,16 @@ def train_on_sequences(output_dir, loss_log: outputs.RowsFile | None, target_con
   train_seconds = time.perf_counter() - fit_start
   after = trainer.evaluate(params, val_batches)
   logging.info("held-out after training: %s", after)
-  heads.save_heads(output_dir / "heads", params, head_tokens, target_config, fingerprint,
-                   {**(metadata or {}), "validation": outputs.jsonable(after)})
+  metadata = {**(metadata or {}), "validation": outputs.jsonable(after)}
+  if unrolled:
+    mtp.save_mtp(output_dir / "heads", params, head_tokens, target_config, fingerprint,
+                 heads_spec.num_heads, metadata)
+  else:
+    heads.save_heads(output_dir / "heads", params, head_tokens, target_config, fingerprint, metadata)
   for name in after:
     logging.info("%s: held-out loss %.3f -> %.3f, top-1 %.3f -> %.3f", name, before[name]["loss"],
                  after[name]["loss"], before[name]["top1"], after[name]["top1"])
-  return {"target_fingerprint": fingerprint, "num_heads": heads_spec.num_heads,
+  return {"target_fingerprint": fingerprint, "kind": heads_spec.kind, "num_heads": heads_spec.num_heads,
           "head_size": heads_spec.head_size,
           "train_sequences": len(train_seqs), "train_examples": int(sum(
               (b["labels"][:, 0] >= 0).sum() for b in train_batches)),

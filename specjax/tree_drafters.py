@@ -3,7 +3,8 @@
   ChainTopK        any chain drafter (drafters.py) as a tree: its top-1 chain, its top-k per depth;
   LookupThenTree   prompt lookup's copied continuation at rank 0 of each depth, another tree
                    drafter's candidates behind it;
-  heads.HeadsDrafter  Medusa heads on the target's hidden state (heads.py).
+  heads.HeadsDrafter  Medusa heads on the target's hidden state (heads.py);
+  mtp.MTPDrafter      the shared MTP head applied recursively on it (mtp.py).
 `make_tree_drafter(name)` builds any of them by name. Which tokens fill a tree never affects
 losslessness (trees.py), so any ranking will do.
 """
@@ -17,20 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax import drafters, heads
-
-
-def top_ids(scores: jax.Array, width: int) -> jax.Array:
-  """scores[B, V] -> the ids of the `width` largest [B, width], best first (ties: lowest id). Repeated
-  argmax: on XLA:CPU lax.top_k with k > 1 sorts the whole row, ~5 ms over SmolLM2's 49,152 tokens,
-  while `width` argmax passes cost a fraction of a millisecond."""
-  rows = jnp.arange(scores.shape[0])
-  ids = []
-  for _ in range(width):
-    best = jnp.argmax(scores, axis=-1).astype(jnp.int32)
-    ids.append(best)
-    scores = scores.at[rows, best].set(-jnp.inf)
-  return jnp.stack(ids, axis=1)
+from specjax import drafters, heads, mtp
+from specjax.sampling import top_ids
 
 
 def _ranking(logits: jax.Array) -> jax.Array:
@@ -110,33 +99,46 @@ class LookupThenTree:
 
 
 HEADS_PREFIX = "heads:"
+MTP_PREFIX = "mtp:"
+FEATURE_PREFIXES = (HEADS_PREFIX, MTP_PREFIX)
 
 
 def make_tree_drafter(name: str, target_config, target_params, sequences=None):
   """A tree drafter by name -> (drafter, params): `heads:<dir>` (Medusa heads trained for this target,
-  heads.py), `lookup+heads:<dir>` (prompt lookup in front of them), or any drafters.make_drafter name
-  as a tree by its top-k (ChainTopK), e.g. `model:out/smollm2_draft/hf`, `lookup`."""
-  if name.startswith("lookup+" + HEADS_PREFIX):
+  heads.py), `mtp:<dir>` (an MTP head, mtp.py), `lookup+heads:<dir>` / `lookup+mtp:<dir>` (prompt
+  lookup in front of them), or any drafters.make_drafter name as a tree by its top-k (ChainTopK),
+  e.g. `model:out/smollm2_draft/hf`, `lookup`."""
+  if name.startswith("lookup+") and name[len("lookup+"):].startswith(FEATURE_PREFIXES):
     inner, params = make_tree_drafter(name[len("lookup+"):], target_config, target_params)
     return LookupThenTree(inner), params
   if name.startswith(HEADS_PREFIX):
     return heads.load_heads(name[len(HEADS_PREFIX):], target_config, target_params)
+  if name.startswith(MTP_PREFIX):
+    return mtp.load_mtp(name[len(MTP_PREFIX):], target_config, target_params)
   drafter, params = drafters.make_drafter(name, target_config, target_params, sequences)
   return ChainTopK(drafter), params
 
 
+def feature_directory(name: str) -> str | None:
+  """The directory of a `heads:` / `mtp:` drafter name (behind `lookup+` or not), else None."""
+  inner = name.removeprefix("lookup+")
+  prefix = next((p for p in FEATURE_PREFIXES if inner.startswith(p)), None)
+  return inner[len(prefix):] if prefix else None
+
+
 def tree_drafter_needs_text(name: str) -> bool:
-  return HEADS_PREFIX not in name and drafters.needs_text(name)
+  return not any(prefix in name for prefix in FEATURE_PREFIXES) and drafters.needs_text(name)
 
 
 def check_tree_drafter_name(name: str) -> None:
   """Refuse an unknown name or a missing checkpoint before anything runs (as drafters.draft_checkpoint)."""
-  inner = name.removeprefix("lookup+")
-  if inner.startswith(HEADS_PREFIX):
-    directory = inner[len(HEADS_PREFIX):]
+  directory = feature_directory(name)
+  if directory is not None:
     if not directory or not (pathlib.Path(directory) / "heads.json").exists():
+      is_mtp = name.removeprefix("lookup+").startswith(MTP_PREFIX)
+      config = "smollm2_mtp" if is_mtp else "smollm2_heads"
       raise FileNotFoundError(f"no trained heads at {directory!r}; train them first (python -m "
-                              "specjax.train_heads --gin_file=configs/smollm2_heads.gin writes "
-                              "out/smollm2_heads/heads; scripts/main.sh runs it)")
+                              f"specjax.train_heads --gin_file=configs/{config}.gin writes "
+                              f"out/{config}/heads; scripts/main.sh runs it)")
     return
   drafters.draft_checkpoint(name)

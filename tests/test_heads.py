@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from conftest import random_decoder_params
-from specjax import heads, teacher, train_heads, training
+from specjax import autoregressive, heads, mtp, teacher, train_heads, training, trees
 from specjax.models import decoder_only
 
 TARGET = decoder_only.SIZES["tiny"]  # vocab 128, width 64
@@ -217,3 +217,107 @@ def test_the_smollm2_heads_config_is_the_library_default():
     assert gin.get_configurable(train_heads.HeadsSpec)() == train_heads.HeadsSpec()
   finally:
     gin.clear_config()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The shared MTP head (specjax/mtp.py), trained by the same command with HeadsSpec.kind = "mtp".
+
+MTP = dataclasses.replace(HEADS, kind="mtp")
+
+
+def test_mtp_training_lowers_held_out_loss_and_the_tree_loop_accepts_its_chain(tmp_path, cache):
+  summary, directory = _train(tmp_path / "mtp", heads_spec=MTP), tmp_path / "mtp" / "heads"
+  before, after = summary["validation_before"], summary["validation_after"]
+  for name in before:  # step k of the unrolled head, fed its own predicted states
+    assert after[name]["loss"] < 0.5 * before[name]["loss"], (name, before[name], after[name])
+    assert before[name]["top1"] < 0.1 and after[name]["top1"] > 0.6, (name, before, after)
+  assert after["head_3"]["chain_top1"] > 0.4, after
+  target_params, _, val = _setup()
+  drafter, params = mtp.load_mtp(directory, TARGET, target_params)
+  assert isinstance(drafter, mtp.MTPDrafter) and params["head_tokens"].shape == (40,)
+  with pytest.raises(ValueError, match="holds an MTP head.*mtp:"):
+    heads.load_heads(directory, TARGET, target_params)
+  # In the jitted tree loop on held-out prompts of the tiny language: output equals the target's
+  # greedy decode (lossless whatever the drafter), and the head's chain is mostly accepted: 3.75
+  # tokens per call of at most 4 (untrained: 1.0; reading the root one position early: 2.1).
+  model = decoder_only.model(TARGET)
+  prompts = np.zeros((8, 9), np.int32)
+  lengths = np.zeros((8,), np.int32)
+  for row in range(8):
+    sequence = val.tokens[val.offsets[row]:val.offsets[row] + val.loss_from[row]][:9]
+    prompts[row, :len(sequence)], lengths[row] = sequence, len(sequence)
+  expected = autoregressive.make_generate(model, autoregressive.DecodeShape(16))(
+      target_params, prompts, lengths, jax.random.PRNGKey(0), 0.0)
+  out = trees.make_tree_decode(model, drafter, trees.TreeConfig(trees.Tree.chain(3), 16))(
+      target_params, params, prompts, lengths, jax.random.PRNGKey(0), 0.0)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  tokens_per_call = (np.asarray(out.num_generated) - 1).sum() / (8 * int(out.target_calls))
+  assert tokens_per_call > 3.0, tokens_per_call
+
+
+def test_an_interrupted_mtp_run_resumes_to_the_same_head(tmp_path, cache):
+  spec = dataclasses.replace(SPEC, steps=20, checkpoint_every=10)
+  _train(tmp_path / "straight", spec, MTP)
+  assert _train(tmp_path / "resumed", spec, MTP, stop_after_step=13) == {"stopped_after_step": 13}
+  _train(tmp_path / "resumed", spec, MTP)
+  with np.load(tmp_path / "straight" / "heads" / mtp.WEIGHTS_FILE) as a, \
+       np.load(tmp_path / "resumed" / "heads" / mtp.WEIGHTS_FILE) as b:
+    assert sorted(a.files) == sorted(b.files)
+    for name in a.files:
+      np.testing.assert_array_equal(a[name], b[name])
+    assert np.any(a["kernel"] != 0)
+
+
+def _random_mtp(seed, width=64):
+  rng = np.random.RandomState(seed)
+  return {"in_kernel": (0.1 * rng.randn(2 * width, width)).astype(np.float32),
+          "in_bias": (0.1 * rng.randn(width)).astype(np.float32),
+          "kernel": (0.3 * rng.randn(width, width)).astype(np.float32),
+          "bias": (0.3 * rng.randn(width)).astype(np.float32)}
+
+
+def test_mtp_candidates_follow_the_recursion_and_an_untrained_head_is_the_targets():
+  target_params, _, _ = _setup()
+  trained = _random_mtp(1)
+  head_tokens = np.sort(np.random.RandomState(2).choice(128, 96, replace=False)).astype(np.int32)
+  params = mtp.drafter_params(trained, head_tokens, TARGET, target_params)
+  features = np.random.RandomState(3).randn(5, 64).astype(np.float32)
+  history = np.random.RandomState(4).randint(0, 128, (5, 16)).astype(np.int32)
+  position = np.array([7, 3, 9, 0, 15], np.int32)
+  drafter = mtp.MTPDrafter()
+  run = jax.jit(drafter.candidates, static_argnums=(5, 6))
+  candidates, state = run(params, None, history, position, features, 3, 4)
+  assert candidates.shape == (5, 3, 4) and candidates.dtype == jnp.int32 and state is None
+  embedding = np.asarray(target_params["embedding"], np.float64)
+  w = {k: np.asarray(v, np.float64) for k, v in trained.items()}
+  hidden, token = features.astype(np.float64), history[np.arange(5), position]
+  for d in range(3):  # numpy: z = h + [h, e] W_in + b_in; h' = z + silu(z W + b); rank h' U_sub
+    z = hidden + np.concatenate([hidden, embedding[token]], -1) @ w["in_kernel"] + w["in_bias"]
+    u = z @ w["kernel"] + w["bias"]
+    hidden = z + u / (1.0 + np.exp(-u))
+    ranked = head_tokens[np.argsort(-(hidden @ embedding[head_tokens].T), axis=-1, kind="stable")]
+    np.testing.assert_array_equal(np.asarray(candidates[:, d]), ranked[:, :4])
+    token = ranked[:, 0]
+  with pytest.raises(ValueError, match="width must lie in 1..96"):
+    drafter.candidates(params, None, history, position, features, 1, 97)
+  # Zero weights: every step scores what the target scores after the hidden state it was given.
+  zero = mtp.drafter_params(mtp.init_mtp(64), None, TARGET, target_params)
+  states, logits = mtp.unroll(zero["mtp"], zero["embed_rows"], zero["head_rows"], features,
+                              history[:, :2])
+  np.testing.assert_allclose(np.asarray(states[:, 1]), features, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(logits[:, 0]), features @ embedding.T, atol=1e-4, rtol=1e-4)
+
+
+def test_mtp_refuses_a_target_it_was_not_trained_for(tmp_path):
+  target_params, _, _ = _setup()
+  fingerprint = heads.target_fingerprint(TARGET, target_params)
+  mtp.save_mtp(tmp_path / "mtp", _random_mtp(0), np.arange(10, 70), TARGET, fingerprint, 3,
+               {"target": {"checkpoint": "tiny-seed-3"}})
+  mtp.load_mtp(tmp_path / "mtp", TARGET, target_params)  # its own target: fine
+  with pytest.raises(ValueError, match=r"MTP head .* another target \(tiny-seed-3\)"):
+    mtp.load_mtp(tmp_path / "mtp", TARGET, random_decoder_params(TARGET, seed=4, scale=0.2))
+  heads.save_heads(tmp_path / "medusa", _random_heads(2, 0), None, TARGET, fingerprint)
+  with pytest.raises(ValueError, match="holds Medusa heads.*heads:"):
+    mtp.load_mtp(tmp_path / "medusa", TARGET, target_params)
+  with pytest.raises(ValueError, match="kind must be 'medusa' or 'mtp'"):
+    train_heads.HeadsSpec(kind="eagle")

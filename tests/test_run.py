@@ -149,6 +149,9 @@ def test_smoke_tree_sweep_writes_rows_and_table_and_resumes(tmp_path):
 def test_tree_sweep_refuses_missing_heads_before_writing(tmp_path):
   with pytest.raises(FileNotFoundError, match="train_heads"):
     _tiny_tree_sweep(tmp_path, f"tree_sweep.TreeSweepSpec.drafters = ('heads:{tmp_path}/none',)")
+  gin.clear_config()
+  with pytest.raises(FileNotFoundError, match="smollm2_mtp.gin"):
+    _tiny_tree_sweep(tmp_path, f"tree_sweep.TreeSweepSpec.drafters = ('lookup+mtp:{tmp_path}/x',)")
   with pytest.raises(ValueError, match="spine:DxW"):
     gin.clear_config()
     _tiny_tree_sweep(tmp_path, "tree_sweep.TreeSweepSpec.trees = ('spine:3',)")

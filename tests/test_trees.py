@@ -345,7 +345,7 @@ def test_top_ids_equal_lax_top_k():
   scores = jax.random.normal(jax.random.PRNGKey(0), (5, 300))
   scores = scores.at[:, 7].set(scores[:, 3])  # a tie: the lower id first, as lax.top_k
   for width in (1, 3, 6):
-    np.testing.assert_array_equal(tree_drafters.top_ids(scores, width), jax.lax.top_k(scores, width)[1])
+    np.testing.assert_array_equal(sampling.top_ids(scores, width), jax.lax.top_k(scores, width)[1])
 
 
 def test_lookup_in_front_copies_the_repeated_span():
