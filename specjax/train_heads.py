@@ -24,9 +24,9 @@ refused to another spec, the target's weights included, as in specjax/outputs.py
    step k is scored like head k (the token at t + k + 1) plus `feature_weight` times the squared
    error of its predicted hidden state against the target's at t + k.
 4. Output: heads/ (heads.npz or mtp.npz + heads.json with the target's fingerprint;
-   `heads.load_heads` / `mtp.load_mtp` read it back for that target only) and summary.json with per-head held-out cross-entropy, top-1 and
-   top-`top_width` accuracy and coverage before (= the target's own next-token head) and after
-   training, and the wall times.
+   `heads.load_heads` / `mtp.load_mtp` read it back for that target only) and summary.json with
+   per-head (per-step) held-out cross-entropy, top-1 and top-`top_width` accuracy and coverage
+   before (= the target's own next-token head) and after training, and the wall times.
 """
 
 from __future__ import annotations
