@@ -170,24 +170,32 @@ def target_fingerprint(target_config, target_params, samples_per_leaf: int = 102
 def save_heads(directory, heads: dict, head_tokens, target_config, fingerprint: str,
                metadata: dict | None = None) -> pathlib.Path:
   """directory/heads.npz (kernel [K, E, E], bias [K, E], head_tokens [S]) + heads.json (num_heads,
-  embed_dim, vocab_size, head_size, target_fingerprint, and `metadata`). heads.json is written last:
-  a directory with it is complete."""
-  directory = pathlib.Path(directory)
-  directory.mkdir(parents=True, exist_ok=True)
+  embed_dim, vocab_size, head_size, target_fingerprint, and `metadata`)."""
   count = num_heads_of(heads)
   heads = jax.device_get(heads)
   arrays = {"kernel": np.stack([heads[head_name(k)]["kernel"] for k in range(1, count + 1)]),
             "bias": np.stack([heads[head_name(k)]["bias"] for k in range(1, count + 1)])}
+  return write_saved(directory, WEIGHTS_FILE, arrays, head_tokens, target_config, fingerprint,
+                     {"num_heads": count, **(metadata or {})})
+
+
+def write_saved(directory, weights_file: str, arrays: dict, head_tokens, target_config,
+                fingerprint: str, metadata: dict) -> pathlib.Path:
+  """Write float32 `arrays` (+ head_tokens int32) to directory/weights_file, then heads.json (format,
+  embed_dim from arrays["kernel"], vocab_size, head_size, target_fingerprint, `metadata`). Each
+  file is written aside and renamed; heads.json comes last, so a directory with it is complete."""
+  directory = pathlib.Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
   arrays = {name: np.asarray(value, np.float32) for name, value in arrays.items()}
   if head_tokens is not None:
     arrays["head_tokens"] = np.asarray(head_tokens, np.int32)
-  meta = {"format": FORMAT, "num_heads": count, "embed_dim": int(arrays["kernel"].shape[-1]),
+  meta = {"format": FORMAT, "embed_dim": int(arrays["kernel"].shape[-1]),
           "vocab_size": int(target_config.vocab_size),
           "head_size": 0 if head_tokens is None else int(len(arrays["head_tokens"])),
-          "target_fingerprint": fingerprint, **(metadata or {})}
-  tmp = directory / (WEIGHTS_FILE + ".tmp.npz")
+          "target_fingerprint": fingerprint, **metadata}
+  tmp = directory / (weights_file + ".tmp.npz")
   np.savez(tmp, **arrays)
-  tmp.replace(directory / WEIGHTS_FILE)
+  tmp.replace(directory / weights_file)
   tmp = directory / (METADATA_FILE + ".tmp")
   tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
   tmp.replace(directory / METADATA_FILE)
@@ -221,13 +229,14 @@ def read_heads(directory) -> tuple[dict, np.ndarray | None, dict]:
   return heads, head_tokens, meta
 
 
-def check_target(meta: dict, target_config, target_params, where="these heads") -> None:
+def check_target(meta: dict, target_config, target_params, where="these heads",
+                 command: str = TRAIN_COMMAND) -> None:
   """Refuse a target the heads were not trained for, naming the fix."""
   if (meta["vocab_size"], meta["embed_dim"]) != (target_config.vocab_size, target_config.embed_dim):
     raise ValueError(f"{where} were trained for a target with vocabulary {meta['vocab_size']} and "
                      f"width {meta['embed_dim']}; this target has {target_config.vocab_size} and "
                      f"{target_config.embed_dim}. Heads read their own target's hidden states: train "
-                     f"heads for this target with `{TRAIN_COMMAND}` and "
+                     f"heads for this target with `{command}` and "
                      "run.ModelSpec.checkpoint bound to its checkpoint")
   found = target_fingerprint(target_config, target_params)
   if found != meta["target_fingerprint"]:
@@ -236,7 +245,7 @@ def check_target(meta: dict, target_config, target_params, where="these heads") 
     raise ValueError(f"{where} were trained for another target{trained_for}: its fingerprint is "
                      f"{meta['target_fingerprint']}, this target's is {found}. Heads read the hidden "
                      "states of the exact weights they were trained on, so they would propose noise "
-                     f"here: train heads for this target with `{TRAIN_COMMAND}` and "
+                     f"here: train heads for this target with `{command}` and "
                      "run.ModelSpec.checkpoint bound to its checkpoint, or load this target's own")
 
 

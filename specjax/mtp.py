@@ -26,7 +26,6 @@ another target).
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 
 import jax
@@ -38,6 +37,7 @@ from specjax.sampling import top_ids
 
 KIND = "mtp"
 WEIGHTS_FILE = "mtp.npz"
+TRAIN_COMMAND = "python -m specjax.train_heads --gin_file=configs/smollm2_mtp.gin"
 NAMES = ("in_kernel", "in_bias", "kernel", "bias")
 
 
@@ -118,24 +118,11 @@ class MTPDrafter:
 
 def save_mtp(directory, params: dict, head_tokens, target_config, fingerprint: str,
              num_steps: int, metadata: dict | None = None) -> pathlib.Path:
-  """directory/mtp.npz + heads.json (kind "mtp", the target's fingerprint, `metadata`), written
-  last so that a directory with it is complete."""
-  directory = pathlib.Path(directory)
-  directory.mkdir(parents=True, exist_ok=True)
-  arrays = {name: np.asarray(jax.device_get(params[name]), np.float32) for name in NAMES}
-  if head_tokens is not None:
-    arrays["head_tokens"] = np.asarray(head_tokens, np.int32)
-  meta = {"format": heads.FORMAT, "kind": KIND, "num_heads": int(num_steps),
-          "embed_dim": int(arrays["kernel"].shape[0]), "vocab_size": int(target_config.vocab_size),
-          "head_size": 0 if head_tokens is None else int(len(arrays["head_tokens"])),
-          "target_fingerprint": fingerprint, **(metadata or {})}
-  tmp = directory / (WEIGHTS_FILE + ".tmp.npz")
-  np.savez(tmp, **arrays)
-  tmp.replace(directory / WEIGHTS_FILE)
-  tmp = directory / (heads.METADATA_FILE + ".tmp")
-  tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-  tmp.replace(directory / heads.METADATA_FILE)
-  return directory
+  """directory/mtp.npz + heads.json (kind "mtp", the steps it was trained over, the target's
+  fingerprint, `metadata`), as heads.write_saved writes them."""
+  arrays = {name: jax.device_get(params[name]) for name in NAMES}
+  return heads.write_saved(directory, WEIGHTS_FILE, arrays, head_tokens, target_config, fingerprint,
+                           {"kind": KIND, "num_heads": int(num_steps), **(metadata or {})})
 
 
 def load_mtp(directory, target_config, target_params) -> tuple[MTPDrafter, dict]:
@@ -144,7 +131,8 @@ def load_mtp(directory, target_config, target_params) -> tuple[MTPDrafter, dict]
   meta = heads.read_metadata(directory)
   if meta.get("kind") != KIND:
     raise ValueError(f"{directory} holds Medusa heads, not an MTP head: name it heads:{directory}")
-  heads.check_target(meta, target_config, target_params, where=f"the MTP head in {directory}")
+  heads.check_target(meta, target_config, target_params, where=f"the MTP head in {directory}",
+                     command=TRAIN_COMMAND)
   with np.load(directory / WEIGHTS_FILE) as arrays:
     params = {name: arrays[name] for name in NAMES}
     head_tokens = arrays["head_tokens"] if "head_tokens" in arrays else None
