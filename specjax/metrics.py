@@ -15,6 +15,7 @@ with the cache donated and threaded through, transform and sampling included.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable
@@ -190,6 +191,38 @@ def time_passes(run_one, prompts, repeats: int, warmup: int):
   return seconds, passes, list(outputs)
 
 
+def time_prompts(run_one, prompts, repeats: int, warmup: int) -> tuple[np.ndarray, list]:
+  """Each prompt's wall time, the median over `repeats` passes over all prompts (after `warmup`
+  untimed runs on the first prompt); run_one must block. Returns (seconds[N], the last pass's
+  outputs)."""
+  for _ in range(warmup):
+    run_one(*prompts[0])
+  passes, outputs = [], []
+  for _ in range(repeats):
+    outputs.clear()
+    times = []
+    for prompt in prompts:
+      start = time.perf_counter()
+      outputs.append(run_one(*prompt))
+      times.append(time.perf_counter() - start)
+    passes.append(times)
+  return np.median(np.asarray(passes), axis=0), outputs
+
+
+def loop_seconds(seconds, iterations, min_spread: int = 4) -> tuple[float, float] | None:
+  """(seconds per loop iteration, fixed seconds per prompt) by least squares over prompts:
+  seconds_i = fixed + per_iteration * iterations_i. The fixed part is everything a decode call pays
+  once (prefill, the drafter's init, dispatch, copying the outputs back), which subtracting a prefill
+  timed apart leaves partly in, so a prompt that stops early at EOS would read as slower per token.
+  None when the prompts' iteration counts spread by less than `min_spread` (the two parts cannot be
+  told apart)."""
+  n = np.asarray(iterations, np.float64)
+  if len(n) < 3 or n.max() - n.min() < min_spread:
+    return None
+  per_iteration, fixed = np.polyfit(n, np.asarray(seconds, np.float64), 1)
+  return float(per_iteration), float(fixed)
+
+
 def ms_per_token(seconds: float, prefill_s: float, num_prompts: int,
                  new_tokens: int) -> tuple[float, float]:
   """(decode ms per token after the first, end-to-end ms per token)."""
@@ -211,29 +244,47 @@ def prefill_seconds(target: contracts.Model, drafter, target_params, draft_param
       compiled(target_params, draft_params, *prompt, source)), repeats)[0]
 
 
-def step_seconds(step_fn, params, state, tokens: jax.Array, positions: jax.Array,
-                 repeats: int, steps_per_call: int = 8) -> float:
-  """Median wall time of one step_fn(params, state, tokens, positions) -> (out, state) as the loop
-  runs it: `steps_per_call` steps chained inside one jitted fori_loop (the state donated and threaded
-  through, no cache copies), the call's time divided by them. Timing single jitted calls instead adds
-  a dispatch (~0.1-0.3 ms here) to every step, which the loop never pays: for a sub-millisecond draft
-  it would count more than the step itself and push c towards 1."""
+def chained_timer(step_fn, steps_per_call: int = 8, min_call_seconds: float = 0.02):
+  """timer(params, state, tokens, positions, repeats) -> (median seconds of one step, final state):
+  at least `steps_per_call` steps of step_fn(params, state, tokens, positions) -> (out, state)
+  chained inside one jitted loop (the state donated and threaded through, no cache copies), the
+  call's time divided by them. Timing single jitted calls instead adds a dispatch (~0.1-0.3 ms here)
+  to every step, which the loop never pays: for a sub-millisecond draft it would count more than the
+  step itself and push c towards 1. The step count is traced: a step so short that a call would take
+  under `min_call_seconds` gets more steps per call (calls of a few ms moved by 20-40 % from one to
+  the next on this shared machine). Compiled once per timer, so traced params (a temperature) reuse
+  it."""
 
-  def chained(params, state, tokens, positions):
+  def chained(params, state, tokens, positions, steps):
     def body(_, carry):
       state, total = carry
       out, state = step_fn(params, state, tokens, positions)
       return state, total + jnp.sum(out)  # keeps every step's output live
-    return jax.lax.fori_loop(0, steps_per_call, body, (state, jnp.zeros((), jnp.int32)))
+    return jax.lax.fori_loop(0, steps, body, (state, jnp.zeros((), jnp.int32)))
 
   fn = jax.jit(chained, donate_argnums=1)
-  state, _ = jax.block_until_ready(fn(params, state, tokens, positions))  # compile + warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    state, _ = jax.block_until_ready(fn(params, state, tokens, positions))
-    times.append((time.perf_counter() - start) / steps_per_call)
-  return statistics.median(times)
+
+  def timer(params, state, tokens, positions, repeats: int):
+    def call(state, steps):
+      start = time.perf_counter()
+      state, _ = jax.block_until_ready(fn(params, state, tokens, positions, jnp.int32(steps)))
+      return state, time.perf_counter() - start
+    state, _ = call(state, steps_per_call)  # compile + warm up
+    state, seconds = call(state, steps_per_call)
+    steps = max(steps_per_call, min(256, math.ceil(steps_per_call * min_call_seconds / seconds)))
+    times = []
+    for _ in range(repeats):
+      state, seconds = call(state, steps)
+      times.append(seconds / steps)
+    return statistics.median(times), state
+  return timer
+
+
+def step_seconds(step_fn, params, state, tokens: jax.Array, positions: jax.Array,
+                 repeats: int, steps_per_call: int = 8) -> float:
+  """Median wall time of one step_fn(params, state, tokens, positions) -> (out, state) as the loop
+  runs it (`chained_timer`)."""
+  return chained_timer(step_fn, steps_per_call)(params, state, tokens, positions, repeats)[0]
 
 
 def _sampled(logits: jax.Array) -> jax.Array:
@@ -267,6 +318,13 @@ def one_token(prompt: tuple[jax.Array, jax.Array], width: int = 1) -> tuple[jax.
           jnp.asarray(int(lengths[0]) + np.arange(width), jnp.int32)[None])
 
 
+def varying(step: jax.Array, value):
+  """`value`, through a select XLA cannot resolve at compile time (step is never negative): inputs
+  that stay the same from step to step let XLA hoist a timed part out of the timed loop as
+  loop-invariant code."""
+  return jax.tree_util.tree_map(lambda x: jnp.where(step < 0, x + 1, x), value)
+
+
 def tree_step_costs(model: contracts.Model, params, drafter, draft_params, tree, prompt,
                     max_length: int, repeats: int, parts=("draft", "verify", "accept"),
                     temperature: float = 0.0) -> dict:
@@ -292,10 +350,6 @@ def tree_step_costs(model: contracts.Model, params, drafter, draft_params, tree,
   node_inputs = trees.attention_inputs(tree, lengths, max_length)
   node_logits = jnp.broadcast_to(logits[:, -1:], (1, tree.size, logits.shape[-1]))
   steps = jnp.arange(1, tree.depth + 1, dtype=jnp.int32)
-
-  def varying(step, value):
-    """`value`, through a select XLA cannot resolve at compile time (step is never negative)."""
-    return jnp.where(step < 0, value + 1, value)
 
   def draft(params, state, _tokens, _positions):
     drafter_state, features, history, step = state
@@ -332,3 +386,82 @@ def tree_step_costs(model: contracts.Model, params, drafter, draft_params, tree,
           "verify": lambda: timed(verify, params, (cache, zero)),
           "accept": lambda: timed(accept, jnp.float32(temperature), (node_logits, cache, zero))}
   return {part: runs[part]() for part in parts}
+
+
+def chain_step_costs(model: contracts.Model, params, drafter, draft_params, config, prompt,
+                     repeats: int, temperatures=(0.0,), source=None,
+                     parts=("draft", "verify", "accept")) -> dict:
+  """ms of one speculative iteration's parts at batch 1 after `prompt`, as speculative_decode runs
+  them with `config` (a speculative.SpecConfig): `draft` = speculative.draft (gamma drafter calls
+  with transform and sampling), `verify` = speculative.verify (the target scoring gamma + 1 tokens,
+  transform included), `accept` = speculative.settle (accept, commit, statistics, roll back). Their
+  sum is one iteration; Thm 3.8 counts only the first two, and for a sub-millisecond target the third
+  is not negligible. Each part is timed like `step_seconds` (median of 3 medians), its inputs varied
+  per step (`varying`); one compile per part serves every temperature (traced, as in the loop).
+  verify and accept do not depend on the drafter: time them once per gamma.
+  Returns {temperature: {part: ms}} for the `parts` asked."""
+  from specjax import speculative  # pylint: disable=import-outside-toplevel  (it imports this module)
+  tokens, lengths = map(jnp.asarray, prompt)
+  rng, gamma = jax.random.PRNGKey(0), config.gamma
+  session_of = lambda params, context: contracts.Session(
+      lambda *args: model.decode_step(params, context, *args), model.init_cache)
+
+  def transforms(temperature):
+    return speculative.transforms(temperature, jnp.float32(1.0), config.top_k)
+
+  @jax.jit
+  def start(params, draft_params, temperature, source):
+    context = model.encode(params, source)
+    transform, target_transform = transforms(temperature)
+    session = session_of(params, context)
+    s = speculative.initial_state(session, drafter, draft_params, config, tokens, lengths, rng,
+                                  transform, source)
+    if parts == ("draft",):  # the draft's own inputs are in the state
+      return context, s, None
+    draft_uniforms = speculative.iteration_uniforms(rng, 0, 1, gamma)[0]
+    draft_tokens, draft_probs, _ = speculative.draft(drafter, draft_params, s.draft_state,
+                                                     s.prev_token, s.last_token, s.position,
+                                                     draft_uniforms, transform)
+    target_probs, _ = speculative.verify(session, s.target_cache, s.last_token, s.position,
+                                         draft_tokens, target_transform)
+    return context, s, (draft_tokens, draft_probs, target_probs)
+
+  def draft(inputs, state, _tokens, _positions):
+    (draft_params, temperature, s), (draft_state, step) = inputs, state
+    prev, last, position = varying(step, (s.prev_token, s.last_token, s.position))
+    drafted, _, draft_state = speculative.draft(
+        drafter, draft_params, draft_state, prev, last, position,
+        speculative.iteration_uniforms(rng, step, 1, gamma)[0], transforms(temperature)[0])
+    return drafted, (draft_state, step + 1)
+
+  def verify(inputs, state, _tokens, _positions):
+    (params, context, temperature, s, drafted), (cache, step) = inputs, state
+    last, position, drafted = varying(step, (s.last_token, s.position, drafted))
+    probs, cache = speculative.verify(session_of(params, context), cache, last, position, drafted,
+                                      transforms(temperature)[1])
+    return jnp.argmax(probs, axis=-1), (contracts.set_lengths(cache, s.position), step + 1)
+
+  def accept(inputs, state, _tokens, _positions):
+    (temperature, drafted), (s, step) = inputs, state
+    _, accept_uniforms, resample_uniform = speculative.iteration_uniforms(rng, step, 1, gamma)
+    s = speculative.settle(s, drafter, config, *varying(step, drafted), s.target_cache, s.draft_state,
+                           accept_uniforms, resample_uniform, jnp.float32(1.0), temperature == 0.0)
+    return s.num_committed, (s, step + 1)
+
+  fresh = lambda tree: jax.tree_util.tree_map(jnp.copy, tree)  # the timers donate their state
+  timers = {part: chained_timer(fn) for part, fn in
+            (("draft", draft), ("verify", verify), ("accept", accept))}
+  probe, zero, costs = one_token(prompt), jnp.zeros((), jnp.int32), {}
+  for temperature in temperatures:
+    t = jnp.float32(temperature)
+    context, s, drafted = start(params, draft_params, t, source)
+    inputs_and_state = {"draft": ((draft_params, t, s), (s.draft_state, zero)),
+                        "verify": ((params, context, t, s, drafted[0] if drafted else None),
+                                   (s.target_cache, zero)),
+                        "accept": ((t, drafted), (s, zero))}
+    costs[float(temperature)] = {}
+    for part in parts:
+      inputs, state = inputs_and_state[part]
+      costs[float(temperature)][part] = 1000 * statistics.median(
+          timers[part](inputs, fresh(state), *probe, repeats)[0] for _ in range(3))
+  return costs

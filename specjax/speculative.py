@@ -331,6 +331,66 @@ def _check_vocab(target_vocab: int, drafter, draft_params, draft_state, batch: i
                      f"{probs.shape[-1]}; speculative decoding needs one shared vocabulary")
 
 
+def transforms(temperature: jax.Array, top_p: jax.Array, top_k: int):
+  """(draft transform, target transform): logits -> probs at the traced temperature / top-p. The
+  lax.conds let greedy decoding skip top-p's sort; the target's greedy transform keeps soft
+  probabilities (`greedy_target_probs`) for argmax lenience."""
+  greedy = temperature == 0.0
+  sampled = functools.partial(sampling.probs_from_logits, temperature=temperature, top_k=top_k,
+                              top_p=top_p)
+
+  def transform(logits):  # = sampled(logits)
+    return jax.lax.cond(greedy, lambda x: sampling.probs_from_logits(x, 0.0), sampled, logits)
+
+  def target_transform(logits):
+    return jax.lax.cond(greedy, greedy_target_probs, sampled, logits)
+
+  return transform, target_transform
+
+
+def initial_state(session: contracts.Session, drafter: contracts.Drafter, draft_params,
+                  config: SpecConfig, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+                  rng: jax.Array, transform, source: contracts.Source | None = None) -> "LoopState":
+  """Prefill the target and the drafter, draw the first token: the carry of the first iteration."""
+  batch, prompt_len = prompt_tokens.shape
+  gamma, max_new = config.gamma, config.max_new_tokens
+  max_length = prompt_len + max_new + gamma + 1  # a verification write never falls off the end
+  prompt_lengths = prompt_lengths.astype(jnp.int32)
+  logits, target_cache = autoregressive.prefill(session, prompt_tokens, prompt_lengths, max_length)
+  draft_state = drafter.init(draft_params, prompt_tokens, prompt_lengths, max_length, source)
+  _check_vocab(logits.shape[-1], drafter, draft_params, draft_state, batch)
+  first = sampling.sample_with_uniform(
+      first_token_uniform(rng, batch),
+      transform(autoregressive.last_prompt_logits(logits, prompt_lengths)))
+  return LoopState(
+      iteration=jnp.int32(0),
+      committed=jnp.full((batch, max_new + gamma + 1), config.pad_id, jnp.int32).at[:, 0].set(first),
+      num_committed=jnp.ones((batch,), jnp.int32),
+      done=autoregressive.is_eos(first, config.eos_id) | (max_new == 1),
+      last_token=first,
+      prev_token=prompt_tokens[jnp.arange(batch), prompt_lengths - 1].astype(jnp.int32),
+      position=prompt_lengths, target_cache=target_cache,
+      draft_state=drafter.rollback(draft_state, prompt_lengths - 1),
+      stats=SpecStats.empty(batch, max_new, gamma))
+
+
+def settle(s: "LoopState", drafter: contracts.Drafter, config: SpecConfig, draft_tokens: jax.Array,
+           draft_probs: jax.Array, target_probs: jax.Array, target_cache: contracts.Cache,
+           draft_state: Any, accept_uniforms: jax.Array, resample_uniform: jax.Array,
+           lenience: jax.Array, greedy: jax.Array) -> "LoopState":
+  """Steps 3-5 of an iteration after draft and verify: accept, commit, record the statistics, roll
+  back both caches. Returns the next iteration's carry."""
+  num_accepted, next_token = accept_with_uniforms(accept_uniforms, resample_uniform, draft_tokens,
+                                                  draft_probs, target_probs, lenience, greedy)
+  committed = commit(s, draft_tokens, num_accepted, next_token, config)
+  stats = s.stats.record(s.iteration, ~s.done, num_accepted, committed.num_emitted,
+                         acceptance_probs(draft_tokens, draft_probs, target_probs, lenience, greedy))
+  return LoopState(iteration=s.iteration + 1, committed=committed.committed,
+                   num_committed=committed.num_committed, done=committed.done, stats=stats,
+                   **roll_back(s, committed, draft_tokens, num_accepted, next_token, target_cache,
+                               draft_state, drafter))
+
+
 def speculative_decode(target: contracts.Model, drafter: contracts.Drafter, config: SpecConfig,
                        target_params, draft_params, prompt_tokens: jax.Array,
                        prompt_lengths: jax.Array, rng: jax.Array, temperature=0.0, top_p=1.0,
@@ -346,39 +406,15 @@ def speculative_decode(target: contracts.Model, drafter: contracts.Drafter, conf
     source: the encoder input of an encoder-decoder target (and of a model draft of that family).
   Returns: SpecOutput (tokens[B, max_new_tokens], num_generated[B], call counts, SpecStats).
   """
-  batch, prompt_len = prompt_tokens.shape
+  batch = prompt_tokens.shape[0]
   gamma, max_new = config.gamma, config.max_new_tokens
-  max_length = prompt_len + max_new + gamma + 1  # a verification write never falls off the end
   temperature = jnp.asarray(temperature, jnp.float32)
   lenience = jnp.asarray(lenience, jnp.float32)
   greedy = temperature == 0.0
-  sampled = functools.partial(sampling.probs_from_logits, temperature=temperature,
-                              top_k=config.top_k, top_p=top_p)
-
-  def transform(logits):  # = sampled(logits); the cond lets greedy decoding skip top-p's sort
-    return jax.lax.cond(greedy, lambda x: sampling.probs_from_logits(x, 0.0), sampled, logits)
-
-  def target_transform(logits):
-    return jax.lax.cond(greedy, greedy_target_probs, sampled, logits)
-
-  prompt_lengths = prompt_lengths.astype(jnp.int32)
+  transform, target_transform = transforms(temperature, top_p, config.top_k)
   session = contracts.open_session(target, target_params, source)
-  logits, target_cache = autoregressive.prefill(session, prompt_tokens, prompt_lengths, max_length)
-  draft_state = drafter.init(draft_params, prompt_tokens, prompt_lengths, max_length, source)
-  _check_vocab(logits.shape[-1], drafter, draft_params, draft_state, batch)
-  first = sampling.sample_with_uniform(
-      first_token_uniform(rng, batch),
-      transform(autoregressive.last_prompt_logits(logits, prompt_lengths)))
-  state = LoopState(
-      iteration=jnp.int32(0),
-      committed=jnp.full((batch, max_new + gamma + 1), config.pad_id, jnp.int32).at[:, 0].set(first),
-      num_committed=jnp.ones((batch,), jnp.int32),
-      done=autoregressive.is_eos(first, config.eos_id) | (max_new == 1),
-      last_token=first,
-      prev_token=prompt_tokens[jnp.arange(batch), prompt_lengths - 1].astype(jnp.int32),
-      position=prompt_lengths, target_cache=target_cache,
-      draft_state=drafter.rollback(draft_state, prompt_lengths - 1),
-      stats=SpecStats.empty(batch, max_new, gamma))
+  state = initial_state(session, drafter, draft_params, config, prompt_tokens, prompt_lengths, rng,
+                        transform, source)
 
   def cond(s: LoopState):
     return (s.iteration < max_new) & ~jnp.all(s.done)
@@ -389,16 +425,8 @@ def speculative_decode(target: contracts.Model, drafter: contracts.Drafter, conf
                                                    s.last_token, s.position, draft_u, transform)
     target_probs, target_cache = verify(session, s.target_cache, s.last_token, s.position,
                                         draft_tokens, target_transform)
-    num_accepted, next_token = accept_with_uniforms(accept_u, resample_u, draft_tokens, draft_probs,
-                                                    target_probs, lenience, greedy)
-    committed = commit(s, draft_tokens, num_accepted, next_token, config)
-    stats = s.stats.record(s.iteration, ~s.done, num_accepted, committed.num_emitted,
-                           acceptance_probs(draft_tokens, draft_probs, target_probs, lenience,
-                                            greedy))
-    return LoopState(iteration=s.iteration + 1, committed=committed.committed,
-                     num_committed=committed.num_committed, done=committed.done, stats=stats,
-                     **roll_back(s, committed, draft_tokens, num_accepted, next_token, target_cache,
-                                 draft_state, drafter))
+    return settle(s, drafter, config, draft_tokens, draft_probs, target_probs, target_cache,
+                  draft_state, accept_u, resample_u, lenience, greedy)
 
   s = jax.lax.while_loop(cond, body, state)
   return SpecOutput(tokens=s.committed[:, :max_new], num_generated=s.num_committed,

@@ -78,6 +78,17 @@ def speedup_with_verify_cost(alpha_, gamma, c, verify_cost):
                                            + np.asarray(verify_cost, np.float64))
 
 
+def speedup_from_costs(alpha_, gamma, draft_cost, verify_cost, accept_cost):
+  """Thm 3.8 with every part of an iteration measured: expected_tokens / (draft_cost + verify_cost +
+  accept_cost), the costs of the gamma draft calls, the target scoring gamma + 1 tokens and the
+  accept / commit / roll-back step, in units of the baseline's decode time per token (which carries
+  its own per-token overhead). Where a target step takes well under a millisecond the accept step
+  and the loop's bookkeeping are a visible share of an iteration, which Thm 3.8 leaves out."""
+  cost = (np.asarray(draft_cost, np.float64) + np.asarray(verify_cost, np.float64)
+          + np.asarray(accept_cost, np.float64))
+  return expected_tokens(alpha_, gamma) / cost
+
+
 # ----------------------------------------------------------------------------------------------------
 # Token trees (trees.py). The i.i.d. chain model generalises by depth: alpha_d is the chance that the
 # walk passes depth d given it reached it (for a tree, the target's mass on the node's candidate

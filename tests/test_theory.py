@@ -89,6 +89,17 @@ def test_best_gamma():
     theory.best_gamma(0.5, 0.1, max_gamma=0)
 
 
+def test_speedup_from_measured_costs():
+  # No accept cost, draft = gamma c, verify = v: Thm 3.8 with v; and with v = 1 Thm 3.8 itself.
+  for a, gamma, c, v in [(0.3, 1, 0.1, 1.2), (0.7, 4, 0.05, 1.6), (0.95, 6, 0.0, 1.0)]:
+    assert theory.speedup_from_costs(a, gamma, gamma * c, v, 0.0) == pytest.approx(
+        theory.speedup_with_verify_cost(a, gamma, c, v))
+    assert theory.speedup_from_costs(a, gamma, gamma * c, 1.0, 0.0) == pytest.approx(
+        theory.walltime_improvement(a, gamma, c))
+  # The accept step adds to the iteration: alpha 0.5, gamma 2 -> 1.75 tokens over 0.4 + 1.1 + 0.25.
+  assert theory.speedup_from_costs(0.5, 2, 0.4, 1.1, 0.25) == pytest.approx(1.75 / 1.75)
+
+
 def test_tree_prediction():
   # A chain with the same alpha at every depth is Leviathan's Eq. 1 and Thm 3.8.
   for a, gamma, c in [(0.3, 1, 0.1), (0.7, 4, 0.05), (0.95, 6, 0.0)]:
