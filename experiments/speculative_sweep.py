@@ -9,9 +9,13 @@ for greedy lossless points, whether the outputs equal the baseline's token for t
 
 ms per token is end to end (prefill included) over the tokens each run emitted (EOS on), so greedy
 points compare identical token streams and sampled points compare per-token costs. Decode ms per token
-leaves out the prefill (timed apart per task and drafter; Thm 3.8 models decoding only). The target's
+leaves out what each prompt pays once (Thm 3.8 models decoding only): every prompt is timed, and the
+loop's cost per iteration is fitted over the prompts (`decode_seconds`); the prefill, timed apart, is
+subtracted instead where all prompts ran about as many iterations. The target's
 cost of scoring gamma + 1 tokens, v_gamma in one-token steps, is measured once per sweep, and each row
-also carries Thm 3.8 with v_gamma in place of 1 (theory.speedup_with_verify_cost).
+also carries Thm 3.8 with v_gamma in place of 1 (theory.speedup_with_verify_cost), and the prediction
+from one loop iteration's measured parts, draft + verify + accept (metrics.chain_step_costs, once per
+drafter and gamma), in the baseline's decode time per token (theory.speedup_from_costs).
 
 Either model family: for an encoder-decoder target (T5) the prompts are its sources, table drafters
 are counted on the reference outputs, and model drafts encode the source themselves.
@@ -139,16 +143,17 @@ class StepCosts:
     self.probe_prompt = next(iter(setup.prompts.values()))[0]
     self.target_fn = metrics.target_step(setup.target.model)
     self.target_probe = ModelDrafter(setup.target.model)  # only for its prefilled cache and context
-    self.step_ms = {"target": self._timed(self.target_fn, self.target_probe, setup.target.params,
-                                          1, 15)}
+    self._iteration_ms = {}
+    # Medians of 3 medians: one median of 9 steps moved v by 0.2 between neighbouring gammas here,
+    # and a single median of 15 target steps read 0.99 ms where the baseline decoded at 0.6 ms/token.
+    timed = lambda *args: statistics.median(self._timed(*args, 9) for _ in range(3))
+    self.step_ms = {"target": timed(self.target_fn, self.target_probe, setup.target.params, 1)}
     for name, (drafter, draft_params) in setup.drafters.items():
-      self.step_ms[name] = self._timed(metrics.draft_step(drafter), drafter, draft_params, 1, 15)
+      self.step_ms[name] = timed(metrics.draft_step(drafter), drafter, draft_params, 1)
     logging.info("step ms: %s", {k: round(v, 2) for k, v in self.step_ms.items()})
-    # Median of 3 medians: one median of 9 steps moved v by 0.2 between neighbouring gammas here.
     self.verify_cost = {
-        gamma: statistics.median(self._timed(self.target_fn, self.target_probe, setup.target.params,
-                                             gamma + 1, 9) for _ in range(3)) / self.step_ms["target"]
-        for gamma in setup.spec.all_gammas()}
+        gamma: timed(self.target_fn, self.target_probe, setup.target.params, gamma + 1)
+        / self.step_ms["target"] for gamma in setup.spec.all_gammas()}
     logging.info("verification cost v_gamma (target steps): %s",
                  {k: round(v, 2) for k, v in self.verify_cost.items()})
 
@@ -163,6 +168,28 @@ class StepCosts:
 
   def c(self, drafter_name: str) -> float:
     return self.step_ms[drafter_name] / self.step_ms["target"]
+
+  def iteration_ms(self, drafter_name: str, gamma: int, temperature: float) -> dict[str, float]:
+    """ms of one loop iteration's draft / verify / accept parts (metrics.chain_step_costs), timed
+    on first use for every temperature of the sweep at once (verify = v_gamma target steps)."""
+    setup, tok = self.setup, self.setup.target.tokenizer
+    tokens, lengths, source = self.probe_prompt
+    config = speculative.SpecConfig(gamma, setup.decode.max_new_tokens, setup.decode.top_k,
+                                    tok.eos_id, tok.pad_id)
+
+    def measured(key, name, parts):
+      if key not in self._iteration_ms:
+        self._iteration_ms[key] = metrics.chain_step_costs(
+            setup.target.model, setup.target.params, *setup.drafters[name], config,
+            (tokens, lengths), 9, tuple(sorted(set(setup.spec.temperatures))), source, parts)
+        logging.info("iteration ms %s: %s", key, {t: {k: round(v, 3) for k, v in ms.items()}
+                                                  for t, ms in self._iteration_ms[key].items()})
+      return self._iteration_ms[key][float(temperature)]
+    # The verification is the target step on gamma + 1 tokens, timed already (v); accept does not
+    # depend on the drafter: timed once per gamma, with the first drafter that needs it.
+    return {**measured(("draft", drafter_name, gamma), drafter_name, ("draft",)),
+            "verify": self.verify_cost[gamma] * self.step_ms["target"],
+            **measured(("accept", gamma), drafter_name, ("accept",))}
 
 
 class Programs:
@@ -179,11 +206,11 @@ class Programs:
     return self._compiled[key]
 
   def timed(self, key, task: str, run_one):
-    """(seconds, tokens emitted, outputs) over the task's prompts."""
+    """(seconds per prompt, tokens emitted, outputs) over the task's prompts."""
     warmup = 0 if key in self._warm else 1
     self._warm.add(key)
-    seconds, _, outs = metrics.time_passes(run_one, self.setup.prompts[task],
-                                           self.setup.spec.repeats, warmup)
+    seconds, outs = metrics.time_prompts(run_one, self.setup.prompts[task], self.setup.spec.repeats,
+                                         warmup)
     return seconds, sum(int(np.asarray(o.num_generated).sum()) for o in outs), outs
 
   def prefill_seconds(self, task: str, drafter_name: str | None) -> float:
@@ -233,21 +260,39 @@ def size_name(config) -> str:
   return "custom"
 
 
+def decode_seconds(seconds, outs, tokens: int, prefill_seconds) -> tuple[float, dict]:
+  """Seconds per decoded token (after each prompt's first, which the prefill gives) and how it was
+  found: the loop's cost per iteration fitted over the prompts (metrics.loop_seconds) where their
+  iteration counts spread, else the total less the prefill (prefill_seconds(), timed apart)."""
+  decoded = max(tokens - len(outs), 1)
+  iterations = [int(np.asarray(o.target_calls)) for o in outs]
+  fit = metrics.loop_seconds(seconds, iterations)
+  if fit is None:
+    prefill_s = prefill_seconds()
+    return (float(np.sum(seconds)) - len(outs) * prefill_s) / decoded, {
+        "method": "prefill subtracted", "fixed_ms_per_prompt": 1000 * prefill_s}
+  per_iteration, fixed = fit
+  return per_iteration * sum(iterations) / decoded, {
+      "method": "fit over prompts", "fixed_ms_per_prompt": 1000 * fixed,
+      "ms_per_iteration": 1000 * per_iteration}
+
+
 def measure_point(setup: Setup, costs: StepCosts, programs: Programs, point: dict) -> dict:
   """Time baseline and speculative decoding of one point side by side; -> its measured row."""
   task, name, gamma = point["task"], point["drafter"], point["gamma"]
   temperature, lenience = point["temperature"], point["lenience"]
-  base_s, base_tokens, base_out = programs.baseline(task, temperature)
-  spec_s, spec_tokens, spec_out = programs.speculative(task, name, gamma, temperature, lenience)
+  base_each, base_tokens, base_out = programs.baseline(task, temperature)
+  spec_each, spec_tokens, spec_out = programs.speculative(task, name, gamma, temperature, lenience)
   prompts = len(setup.prompts[task])
-  # Decode time: the first token of every prompt comes from the prefill, which is timed apart.
-  base_decode = (base_s - prompts * programs.prefill_seconds(task, None)) / max(
-      base_tokens - prompts, 1)
-  spec_decode = (spec_s - prompts * programs.prefill_seconds(task, name)) / max(
-      spec_tokens - prompts, 1)
+  base_s, spec_s = float(np.sum(base_each)), float(np.sum(spec_each))
+  base_decode, base_timing = decode_seconds(base_each, base_out, base_tokens,
+                                            lambda: programs.prefill_seconds(task, None))
+  spec_decode, spec_timing = decode_seconds(spec_each, spec_out, spec_tokens,
+                                            lambda: programs.prefill_seconds(task, name))
   base_ms, spec_ms = 1000 * base_s / max(base_tokens, 1), 1000 * spec_s / max(spec_tokens, 1)
   summary = metrics.summarize_outputs(spec_out)
   c, alpha, verify_cost = costs.c(name), summary["alpha_estimate"], costs.verify_cost[gamma]
+  parts = costs.iteration_ms(name, gamma, temperature)
   match = None
   if temperature == 0.0 and lenience == 1.0:
     match = all(np.array_equal(np.asarray(b.tokens), np.asarray(s.tokens))
@@ -269,6 +314,9 @@ def measure_point(setup: Setup, costs: StepCosts, programs: Programs, point: dic
       "predicted_speedup_with_verify_cost": float(
           theory.speedup_with_verify_cost(alpha, gamma, c, verify_cost)),
       "verify_costs": {str(g): v for g, v in costs.verify_cost.items()},
+      "iteration_ms": parts, "decode_timing": {"baseline": base_timing, "speculative": spec_timing},
+      "predicted_speedup_from_costs": float(theory.speedup_from_costs(
+          alpha, gamma, *(parts[k] / (1000 * base_decode) for k in ("draft", "verify", "accept")))),
       "outputs_match_baseline": match, "prompts": prompts,
       "new_tokens": summary["tokens"], "ms_per_128_tokens": 128 * spec_ms,
   }

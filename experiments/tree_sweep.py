@@ -149,13 +149,14 @@ class Bench:
 def measure_point(bench: Bench, point: dict) -> dict:
   task, name, temperature = point["task"], point["drafter"], point["temperature"]
   tree = trees.Tree.from_name(point["tree"])
-  base_s, base_tokens, base_out = bench.programs.baseline(task, temperature)
-  tree_s, tree_tokens, tree_out = bench.tree_run(task, name, tree, temperature)
+  base_each, base_tokens, base_out = bench.programs.baseline(task, temperature)
+  tree_each, tree_tokens, tree_out = bench.tree_run(task, name, tree, temperature)
   prompts = len(bench.setup.prompts[task])
-  base_decode = (base_s - prompts * bench.programs.prefill_seconds(task, None)) / max(
-      base_tokens - prompts, 1)
-  tree_decode = (tree_s - prompts * bench.tree_prefill_seconds(task, name)) / max(
-      tree_tokens - prompts, 1)
+  base_s, tree_s = float(np.sum(base_each)), float(np.sum(tree_each))
+  base_decode, base_timing = speculative_sweep.decode_seconds(
+      base_each, base_out, base_tokens, lambda: bench.programs.prefill_seconds(task, None))
+  tree_decode, tree_timing = speculative_sweep.decode_seconds(
+      tree_each, tree_out, tree_tokens, lambda: bench.tree_prefill_seconds(task, name))
   summary = metrics.summarize_outputs(tree_out)
   num_accepted = np.concatenate([np.asarray(o.stats.num_accepted) for o in tree_out])
   betas = np.concatenate([np.asarray(o.stats.acceptance_probs) for o in tree_out])
@@ -185,6 +186,7 @@ def measure_point(bench: Bench, point: dict) -> dict:
       "predicted_speedup": float(theory.tree_speedup(beta_by_depth, costs["draft"],
                                                      costs["verify"], costs["accept"])),
       "outputs_match_baseline": match, "prompts": prompts, "new_tokens": summary["tokens"],
+      "decode_timing": {"baseline": base_timing, "tree": tree_timing},
   }
 
 
@@ -222,8 +224,9 @@ def tree_table(rows: list[dict]) -> tables.Table:
       note="Held-out prompts, batch 1, EOS on. Costs are one iteration's parts in autoregressive "
            "steps (the baseline's decode ms per token at that temperature): the drafter's "
            "candidates, the target verifying the T nodes (v(T)), the transform at every node with "
-           "the walk and the cache compaction. speedup = baseline decode ms/token over the tree loop's (prefills timed and "
-           "subtracted); predicted = theory.tree_speedup(beta by depth, costs).")
+           "the walk and the cache compaction. speedup = baseline decode ms/token over the tree loop's "
+           "(each prompt's fixed cost left out: speculative_sweep.decode_seconds); predicted = "
+           "theory.tree_speedup(beta by depth, costs).")
 
 
 @gin.configurable

@@ -102,6 +102,10 @@ def test_leviathan_table2_decode_speedup_against_thm38_with_verify_cost():
   got = body_row(tables.leviathan_table2([r]), gamma=4)
   assert got["v"] == 1.4 and got["expected with v"] == 2.0 and got["decode speedup"] == 1.9
   assert got["decode / expected with v"] == pytest.approx(0.95)
+  assert got["expected from costs"] is None  # rows from before the iteration's parts were timed
+  got = body_row(tables.leviathan_table2([{**r, "predicted_speedup_from_costs": 1.6}]), gamma=4)
+  assert got["expected from costs"] == 1.6
+  assert got["decode / expected from costs"] == pytest.approx(1.9 / 1.6)
 
 
 def test_best_gamma(results):

@@ -107,6 +107,8 @@ def test_smoke_sweep_writes_rows_tables_and_plots(tmp_path):
   for row in rows:
     assert 0.0 <= row["alpha"] <= 1.0 and row["speedup"] > 0 and row["c"] > 0
     assert 1.0 <= row["tokens_per_target_call"] <= row["gamma"] + 1
+    assert sorted(row["iteration_ms"]) == ["accept", "draft", "verify"]
+    assert min(row["iteration_ms"].values()) > 0 and row["predicted_speedup_from_costs"] > 0
     if row["temperature"] == 0.0 and row["lenience"] == 1.0:
       assert row["outputs_match_baseline"] is True  # greedy speculative == greedy baseline
   assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 6

@@ -139,4 +139,5 @@ def test_t5_sweep_end_to_end(t5_dirs, tmp_path):
   for row in rows:
     assert row["outputs_match_baseline"] is True and row["prompts"] == 2
     assert 0.0 <= row["alpha"] <= 1.0 and row["c"] > 0 and row["target"] == "tiny"
+    assert min(row["iteration_ms"].values()) > 0 and row["predicted_speedup_from_costs"] > 0
   assert (tmp_path / "sweep" / "tables.md").is_file()
