@@ -32,7 +32,6 @@ import argparse
 import functools
 import os
 import platform
-import statistics
 import time
 
 import jax
@@ -95,10 +94,9 @@ def main():
 
   # Step costs.
   target_probe = drafters.ModelDrafter(model)
-  target_ms = 1000 * statistics.median(
-      step_seconds(metrics.target_step(model), params,
-                   common.fresh_state(target_probe, params, prompts[0], max_length),
-                   *metrics.one_token(prompts[0]), args.step_repeats) for _ in range(3))
+  target_ms = 1000 * step_seconds(metrics.target_step(model), params,
+                                 common.fresh_state(target_probe, params, prompts[0], max_length),
+                                 *metrics.one_token(prompts[0]), args.step_repeats, rounds=3)
   probe = functools.partial(metrics.tree_step_costs, model, params, prompt=prompts[0][:2],
                             max_length=max_length, repeats=args.step_repeats)
   first_drafter, first_params = next(iter(made.values()))

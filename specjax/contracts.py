@@ -106,7 +106,11 @@ class Model(Protocol):
 def open_session(model: Model, params: Params, source: Source | None = None) -> Session:
   """Encode once, then bind: the Session whose step the loops call for every token."""
   check_source(model, source)
-  context = model.encode(params, source)
+  return bind_session(model, params, model.encode(params, source))
+
+
+def bind_session(model: Model, params: Params, context: Any) -> Session:
+  """The Session of an already encoded context (open_session without the encoding)."""
   return Session(functools.partial(model.decode_step, params, context), model.init_cache)
 
 
