@@ -158,3 +158,27 @@ def test_tree_sweep_refuses_missing_heads_before_writing(tmp_path):
     gin.clear_config()
     _tiny_tree_sweep(tmp_path, "tree_sweep.TreeSweepSpec.trees = ('spine:3',)")
   assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_compilation_cache_serves_a_second_process(tmp_path):
+  """enable_compilation_cache: the first process stores the program, the second one loads it (JAX's
+  own hit counter) and computes the same value; run in child processes so this one's JAX config is
+  left alone."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  script = """
+import jax, jax.numpy as jnp
+from specjax import run
+hits = []
+jax.monitoring.register_event_listener(
+    lambda event, **_: hits.append(event) if event.endswith("cache_hits") else None)
+print(run.enable_compilation_cache(__import__("sys").argv[1], min_compile_seconds=0.0))
+f = jax.jit(lambda x: jnp.cumsum(jnp.sin(x) @ x.T, axis=0).sum())
+print(float(f(jnp.arange(64.0).reshape(8, 8))), len(hits))
+"""
+  runs = [subprocess.run([sys.executable, "-c", script, str(tmp_path / "xla")], check=True,
+                         capture_output=True, text=True, cwd=CONFIG_DIR.parent).stdout.split()
+          for _ in range(2)]
+  assert runs[0][0] == str(tmp_path / "xla") and any((tmp_path / "xla").iterdir())
+  assert runs[0][2] == "0" and int(runs[1][2]) >= 1, runs  # a miss, then a hit
+  assert runs[0][1] == runs[1][1]
