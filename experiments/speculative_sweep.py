@@ -14,8 +14,9 @@ loop's cost per iteration is fitted over the prompts (`decode_seconds`); the pre
 subtracted instead where all prompts ran about as many iterations. The target's
 cost of scoring gamma + 1 tokens, v_gamma in one-token steps, is measured once per sweep, and each row
 also carries Thm 3.8 with v_gamma in place of 1 (theory.speedup_with_verify_cost), and the prediction
-from one loop iteration's measured parts, draft + verify + accept (metrics.chain_step_costs, once per
-drafter and gamma), in the baseline's decode time per token (theory.speedup_from_costs).
+from one loop iteration's measured parts, draft + verify + accept (metrics.chain_cost_timer, timed
+in turn with the baseline and speculative passes of the point, `repeats` times), in the baseline's
+decode time per token (theory.speedup_from_costs).
 
 Either model family: for an encoder-decoder target (T5) the prompts are its sources, table drafters
 are counted on the reference outputs, and model drafts encode the source themselves.
@@ -74,14 +75,16 @@ class SweepSpec:
       float(value)  # a non-number fails here, with its value in the message
     for temperature in self.temperatures:
       speculative.validate_traced(temperature, 1.0, 1.0)
-    lossless = resumable.grid(task=list(self.tasks), drafter=list(self.drafters),
-                          temperature=list(self.temperatures), lenience=[1.0], gamma=gammas)
+    # Temperature and lenience vary fastest: the points of one compiled program (drafter, gamma)
+    # run back to back, and so right beside the iteration's parts timed for them (StepCosts).
+    lossless = resumable.grid(task=list(self.tasks), drafter=list(self.drafters), gamma=gammas,
+                              lenience=[1.0], temperature=list(self.temperatures))
     lossy = [l for l in self.leniences if l != 1.0]
     for value in lossy:
       speculative.validate_lenience(value)
     lenient = resumable.grid(task=list(self.tasks), drafter=list(self.drafters),
-                         temperature=list(self.temperatures), lenience=lossy,
-                         gamma=resumable.validate_gammas(self.lenience_gammas)) if lossy else []
+                             gamma=resumable.validate_gammas(self.lenience_gammas), lenience=lossy,
+                             temperature=list(self.temperatures)) if lossy else []
     return lossless + lenient
 
   def all_gammas(self) -> list[int]:
@@ -142,7 +145,7 @@ class StepCosts:
     self.probe_prompt = next(iter(setup.prompts.values()))[0]
     self.target_fn = metrics.target_step(setup.target.model)
     self.target_probe = ModelDrafter(setup.target.model)  # only for its prefilled cache and context
-    self._iteration_ms = {}
+    self._part_timers = {}
     self.step_ms = {"target": self._timed(self.target_fn, self.target_probe, setup.target.params, 1)}
     for name, (drafter, draft_params) in setup.drafters.items():
       self.step_ms[name] = self._timed(metrics.draft_step(drafter), drafter, draft_params, 1)
@@ -167,27 +170,19 @@ class StepCosts:
   def c(self, drafter_name: str) -> float:
     return self.step_ms[drafter_name] / self.step_ms["target"]
 
-  def iteration_ms(self, drafter_name: str, gamma: int, temperature: float) -> dict[str, float]:
-    """ms of one loop iteration's draft / verify / accept parts (metrics.chain_step_costs), timed
-    on first use for every temperature of the sweep at once (verify = v_gamma target steps)."""
-    setup, tok = self.setup, self.setup.target.tokenizer
-    tokens, lengths, source = self.probe_prompt
-    config = speculative.SpecConfig(gamma, setup.decode.max_new_tokens, setup.decode.top_k,
-                                    tok.eos_id, tok.pad_id)
-
-    def measured(key, name, parts):
-      if key not in self._iteration_ms:
-        self._iteration_ms[key] = metrics.chain_step_costs(
-            setup.target.model, setup.target.params, *setup.drafters[name], config,
-            (tokens, lengths), 9, tuple(sorted(set(setup.spec.temperatures))), source, parts)
-        logging.info("iteration ms %s: %s", key, {t: {k: round(v, 3) for k, v in ms.items()}
-                                                  for t, ms in self._iteration_ms[key].items()})
-      return self._iteration_ms[key][float(temperature)]
-    # The verification is the target step on gamma + 1 tokens, timed already (v); accept does not
-    # depend on the drafter: timed once per gamma, with the first drafter that needs it.
-    return {**measured(("draft", drafter_name, gamma), drafter_name, ("draft",)),
-            "verify": self.verify_cost[gamma] * self.step_ms["target"],
-            **measured(("accept", gamma), drafter_name, ("accept",))}
+  def part_timer(self, drafter_name: str, gamma: int):
+    """metrics.chain_cost_timer for (drafter, gamma), built once: measure_point times one loop
+    iteration's draft / verify / accept parts with it beside every pass it times."""
+    key = (drafter_name, gamma)
+    if key not in self._part_timers:
+      setup, tok = self.setup, self.setup.target.tokenizer
+      tokens, lengths, source = self.probe_prompt
+      config = speculative.SpecConfig(gamma, setup.decode.max_new_tokens, setup.decode.top_k,
+                                      tok.eos_id, tok.pad_id)
+      self._part_timers[key] = metrics.chain_cost_timer(
+          setup.target.model, setup.target.params, *setup.drafters[drafter_name], config,
+          (tokens, lengths), source)
+    return self._part_timers[key]
 
 
 class Programs:
@@ -204,11 +199,10 @@ class Programs:
     return self._compiled[key]
 
   def timed(self, key, task: str, run_one):
-    """(seconds per prompt, tokens emitted, outputs) over the task's prompts."""
+    """(seconds per prompt, tokens emitted, outputs) of one pass over the task's prompts."""
     warmup = 0 if key in self._warm else 1
     self._warm.add(key)
-    seconds, outs = metrics.time_prompts(run_one, self.setup.prompts[task], self.setup.spec.repeats,
-                                         warmup)
+    seconds, outs = metrics.time_prompts(run_one, self.setup.prompts[task], 1, warmup)
     return seconds, sum(int(np.asarray(o.num_generated).sum()) for o in outs), outs
 
   def prefill_seconds(self, task: str, drafter_name: str | None) -> float:
@@ -275,12 +269,37 @@ def decode_seconds(seconds, outs, tokens: int, prefill_seconds) -> tuple[float, 
       "ms_per_iteration": 1000 * per_iteration}
 
 
+def in_turn(repeats: int, *runs) -> list[list]:
+  """Each of `runs` called in turn, `repeats` times (a slow stretch of the machine falls on all of
+  them alike, not on whichever ran then): every run's results, in call order."""
+  results = [[] for _ in runs]
+  for _ in range(repeats):
+    for out, run_once in zip(results, runs):
+      out.append(run_once())
+  return results
+
+
+def median_pass(passes: list) -> tuple:
+  """(each prompt's median seconds, tokens, outputs of the last) over Programs passes."""
+  return (np.median([p[0] for p in passes], axis=0), *passes[-1][1:])
+
+
 def measure_point(setup: Setup, costs: StepCosts, programs: Programs, point: dict) -> dict:
   """Time baseline and speculative decoding of one point side by side; -> its measured row."""
   task, name, gamma = point["task"], point["drafter"], point["gamma"]
   temperature, lenience = point["temperature"], point["lenience"]
-  base_each, base_tokens, base_out = programs.baseline(task, temperature)
-  spec_each, spec_tokens, spec_out = programs.speculative(task, name, gamma, temperature, lenience)
+  # Baseline, speculative and the iteration's parts are timed in turn, `repeats` times: the machine's
+  # speed drifts over a sweep (the greedy baseline of one T5 sweep read 0.56-0.61 ms per token, then
+  # 0.73-0.94 for a minute), and the prediction divides the baseline's time by the parts' times.
+  time_parts = costs.part_timer(name, gamma)
+  base_runs, spec_runs, part_runs = in_turn(
+      setup.spec.repeats, lambda: programs.baseline(task, temperature),
+      lambda: programs.speculative(task, name, gamma, temperature, lenience),
+      # 3 medians of 9 in all (a single median of 9 steps moved by 20 % here)
+      lambda: time_parts(temperature, 9, rounds=-(-3 // setup.spec.repeats)))
+  (base_each, base_tokens, base_out), (spec_each, spec_tokens, spec_out) = map(
+      median_pass, (base_runs, spec_runs))
+  parts = {part: float(np.median([p[part] for p in part_runs])) for part in part_runs[0]}
   prompts = len(setup.prompts[task])
   base_s, spec_s = float(np.sum(base_each)), float(np.sum(spec_each))
   base_decode, base_timing = decode_seconds(base_each, base_out, base_tokens,
@@ -290,7 +309,6 @@ def measure_point(setup: Setup, costs: StepCosts, programs: Programs, point: dic
   base_ms, spec_ms = 1000 * base_s / max(base_tokens, 1), 1000 * spec_s / max(spec_tokens, 1)
   summary = metrics.summarize_outputs(spec_out)
   c, alpha, verify_cost = costs.c(name), summary["alpha_estimate"], costs.verify_cost[gamma]
-  parts = costs.iteration_ms(name, gamma, temperature)
   match = None
   if temperature == 0.0 and lenience == 1.0:
     match = all(np.array_equal(np.asarray(b.tokens), np.asarray(s.tokens))

@@ -3,9 +3,9 @@
 Every point (task x tree drafter x tree shape x temperature) times the autoregressive baseline and the
 tree loop (specjax/trees.py) side by side in this process on the same held-out prompts (batch 1 each,
 EOS on), and writes one JSONL row: tokens per target call, the pass rate at every depth (alpha_d =
-passed / reached) and its expectation beta_d, the cost of one iteration's parts in target steps (the
-drafter's candidates, the target verifying the T nodes: v(T), the acceptance walk with the cache
-compaction), decode ms per token of both and the speedup, theory.tree_speedup's prediction from
+passed / reached) and its expectation beta_d, the cost of one iteration's parts in the baseline's
+decode time per token (the drafter's candidates, the target verifying the T nodes: v(T), the
+acceptance walk with the cache compaction; timed in turn with the point's passes), decode ms per token of both and the speedup, theory.tree_speedup's prediction from
 beta_d and those costs, and for greedy points whether the output equals the baseline's token for
 token. Then trees.md / trees.csv: the table of drafter kind x tree x temperature.
 
@@ -83,7 +83,7 @@ class Bench:
                                          jax.random.PRNGKey(seed))
     self.programs = speculative_sweep.Programs(self.setup)
     self.max_size = max(trees.Tree.from_name(t).size for t in spec.trees)
-    self._costs, self._compiled, self._prefill = {}, {}, {}
+    self._part_timers, self._compiled, self._prefill = {}, {}, {}
     probe = next(iter(prompts.values()))[0]
     self.probe = probe[:2]
     self.target_ms = 1000 * metrics.step_seconds(
@@ -95,21 +95,16 @@ class Bench:
   def cache_length(self, prompt) -> int:
     return prompt[0].shape[1] + self.decode.max_new_tokens + self.max_size
 
-  def costs(self, name: str, tree: trees.Tree) -> dict:
-    """ms of each part of an iteration (metrics.tree_step_costs)."""
+  def part_timer(self, name: str, tree: trees.Tree):
+    """metrics.tree_cost_timer for (drafter, tree), built once: measure_point times the iteration's
+    parts with it beside every pass it times."""
     key = (name, tree.name)
-    if key not in self._costs:
+    if key not in self._part_timers:
       drafter, params = self.drafters[name]
-      probe = lambda parts: metrics.tree_step_costs(
-          self.target.model, self.target.params, drafter, params, tree, self.probe,
-          self.cache_length(self.probe), 9, parts)
-      if tree.name not in self._costs:  # verify and accept depend on the tree alone
-        self._costs[tree.name] = probe(("verify", "accept"))
-      ms = {**self._costs[tree.name], **probe(("draft",))}
-      self._costs[key] = ms
-      logging.info("%s %s: iteration parts in target steps %s", name, tree.name,
-                   {k: round(v / self.target_ms, 3) for k, v in ms.items()})
-    return self._costs[key]
+      self._part_timers[key] = metrics.tree_cost_timer(self.target.model, self.target.params, drafter,
+                                                 params, tree, self.probe,
+                                                 self.cache_length(self.probe))
+    return self._part_timers[key]
 
   def tree_run(self, task: str, name: str, tree: trees.Tree, temperature: float):
     drafter, draft_params = self.drafters[name]
@@ -149,8 +144,15 @@ class Bench:
 def measure_point(bench: Bench, point: dict) -> dict:
   task, name, temperature = point["task"], point["drafter"], point["temperature"]
   tree = trees.Tree.from_name(point["tree"])
-  base_each, base_tokens, base_out = bench.programs.baseline(task, temperature)
-  tree_each, tree_tokens, tree_out = bench.tree_run(task, name, tree, temperature)
+  # Baseline, tree decoding and the iteration's parts in turn (see speculative_sweep.measure_point).
+  time_parts = bench.part_timer(name, tree)
+  base_runs, tree_runs, part_runs = speculative_sweep.in_turn(
+      bench.spec.repeats, lambda: bench.programs.baseline(task, temperature),
+      lambda: bench.tree_run(task, name, tree, temperature),
+      lambda: time_parts(temperature, 9, rounds=-(-3 // bench.spec.repeats)))
+  (base_each, base_tokens, base_out), (tree_each, tree_tokens, tree_out) = map(
+      speculative_sweep.median_pass, (base_runs, tree_runs))
+  part_ms = {part: float(np.median([p[part] for p in part_runs])) for part in part_runs[0]}
   prompts = len(bench.setup.prompts[task])
   base_s, tree_s = float(np.sum(base_each)), float(np.sum(tree_each))
   base_decode, base_timing = speculative_sweep.decode_seconds(
@@ -167,7 +169,7 @@ def measure_point(bench: Bench, point: dict) -> dict:
   # Costs in autoregressive steps: ms over the baseline's decode ms per token at this temperature,
   # measured beside the tree run (the unit the speedup is relative to; a separately timed target
   # step drifted by 10 % from it over a run on this shared machine).
-  costs = {part: ms / (1000 * base_decode) for part, ms in bench.costs(name, tree).items()}
+  costs = {part: ms / (1000 * base_decode) for part, ms in part_ms.items()}
   match = None
   if temperature == 0.0:
     match = all(np.array_equal(np.asarray(b.tokens), np.asarray(t.tokens))

@@ -244,7 +244,7 @@ def prefill_seconds(target: contracts.Model, drafter, target_params, draft_param
       compiled(target_params, draft_params, *prompt, source)), repeats)[0]
 
 
-def chained_timer(step_fn, steps_per_call: int = 8, min_call_seconds: float = 0.02):
+def chained_timer(step_fn, steps_per_call: int = 1, min_call_seconds: float = 0.02):
   """timer(params, state, tokens, positions, repeats) -> (median seconds of one step, final state):
   at least `steps_per_call` steps of step_fn(params, state, tokens, positions) -> (out, state)
   chained inside one jitted loop (the state donated and threaded through, no cache copies), the
@@ -252,8 +252,9 @@ def chained_timer(step_fn, steps_per_call: int = 8, min_call_seconds: float = 0.
   to every step, which the loop never pays: for a sub-millisecond draft it would count more than the
   step itself and push c towards 1. The step count is traced: a step so short that a call would take
   under `min_call_seconds` gets more steps per call (calls of a few ms moved by 20-40 % from one to
-  the next on this shared machine). Compiled once per timer, so traced params (a temperature) reuse
-  it."""
+  the next on this shared machine), while a step that long already runs alone (a 60 ms verification
+  chained 8 times made every timed point of a sweep cost seconds). Compiled once per timer, so traced
+  params (a temperature) reuse it."""
 
   def chained(params, state, tokens, positions, steps):
     def body(_, carry):
@@ -270,8 +271,12 @@ def chained_timer(step_fn, steps_per_call: int = 8, min_call_seconds: float = 0.
       state, _ = jax.block_until_ready(fn(params, state, tokens, positions, jnp.int32(steps)))
       return state, time.perf_counter() - start
     state, _ = call(state, steps_per_call)  # compile + warm up
-    state, seconds = call(state, steps_per_call)
-    steps = max(steps_per_call, min(256, math.ceil(steps_per_call * min_call_seconds / seconds)))
+    steps = steps_per_call
+    for _ in range(3):  # a call of very few short steps is mostly dispatch: grow it in turn
+      state, seconds = call(state, steps)
+      if seconds >= min_call_seconds or steps >= 256:
+        break
+      steps = min(256, math.ceil(steps * min_call_seconds / seconds))
     times = []
     for _ in range(repeats):
       state, seconds = call(state, steps)
@@ -281,7 +286,7 @@ def chained_timer(step_fn, steps_per_call: int = 8, min_call_seconds: float = 0.
 
 
 def step_seconds(step_fn, params, state, tokens: jax.Array, positions: jax.Array,
-                 repeats: int, steps_per_call: int = 8, rounds: int = 1) -> float:
+                 repeats: int, steps_per_call: int = 1, rounds: int = 1) -> float:
   """Median wall time of one step_fn(params, state, tokens, positions) -> (out, state) as the loop
   runs it (`chained_timer`), or the median over `rounds` such medians of one compiled timer (single
   medians of a 40 ms step moved by 20 % here). The state is donated."""
@@ -339,11 +344,19 @@ def varying(step: jax.Array, value):
 def tree_step_costs(model: contracts.Model, params, drafter, draft_params, tree, prompt,
                     max_length: int, repeats: int, parts=("draft", "verify", "accept"),
                     temperature: float = 0.0) -> dict:
-  """ms of one tree iteration's `parts` at batch 1 after `prompt` (trees.py), each timed like
-  `step_seconds`: `draft` the drafter's candidates for the whole tree, `verify` the target scoring
-  the T nodes with the tree mask, `accept` the transform at every node (temperature traced, as in the
-  loop), the walk and the cache compaction. verify and accept depend on the tree only (measure them
-  once per tree: the median of 3 medians, as single medians of a 40 ms step moved by 20 % here).
+  """ms of one tree iteration's `parts` at batch 1 after `prompt`, each the median of 3 medians of
+  `repeats` (`tree_cost_timer`; single medians of a 40 ms step moved by 20 % here)."""
+  return tree_cost_timer(model, params, drafter, draft_params, tree, prompt, max_length, parts)(
+      temperature, repeats, rounds=3)
+
+
+def tree_cost_timer(model: contracts.Model, params, drafter, draft_params, tree, prompt,
+                    max_length: int, parts=("draft", "verify", "accept")):
+  """time_parts(temperature, repeats, rounds) -> {part: ms} of one tree iteration's `parts` at batch 1
+  after `prompt` (trees.py), each timed like `step_seconds`: `draft` the drafter's candidates for the
+  whole tree, `verify` the target scoring the T nodes with the tree mask, `accept` the transform at
+  every node (temperature traced, as in the loop), the walk and the cache compaction. Compiled on the
+  first call and reused, so a sweep can time the parts again beside each point it measures.
 
   Every input a part reads (hidden state, history, node logits) rides in the timed loop's state behind
   a select on the step counter that XLA cannot resolve: inputs that stay the same from step to step
@@ -386,30 +399,43 @@ def tree_step_costs(model: contracts.Model, params, drafter, draft_params, tree,
     cache = model.move_cache(cache, lengths[:, None] + path[:, 1:], lengths[:, None] + steps)
     return next_token + accepted + jnp.sum(betas > 0.5), (node_logits, cache, step + 1)
 
-  def timed(step, step_params, state):
-    fresh = jax.tree_util.tree_map(jnp.copy, state)  # step_seconds donates its state
-    return 1000 * step_seconds(step, step_params, fresh, *probe, repeats, rounds=3)
-
   zero = jnp.zeros((), jnp.int32)
-  runs = {"draft": lambda: timed(draft, draft_params, (
-              drafter.init(draft_params, tokens, lengths, max_length), features, history, zero)),
-          "verify": lambda: timed(verify, params, (cache, zero)),
-          "accept": lambda: timed(accept, jnp.float32(temperature), (node_logits, cache, zero))}
-  return {part: runs[part]() for part in parts}
+  timers = {part: chained_timer(fn) for part, fn in
+            (("draft", draft), ("verify", verify), ("accept", accept)) if part in parts}
+  states = {"draft": lambda: (drafter.init(draft_params, tokens, lengths, max_length), features,
+                              history, zero),
+            "verify": lambda: (cache, zero), "accept": lambda: (node_logits, cache, zero)}
+
+  def time_parts(temperature: float, repeats: int, rounds: int = 1) -> dict[str, float]:
+    inputs = {"draft": draft_params, "verify": params, "accept": jnp.float32(temperature)}
+    # The timers donate their state: each gets a fresh copy.
+    return {part: 1000 * timed_rounds(timers[part], inputs[part],
+                                      jax.tree_util.tree_map(jnp.copy, states[part]()), *probe,
+                                      repeats, rounds) for part in parts}
+  return time_parts
 
 
 def chain_step_costs(model: contracts.Model, params, drafter, draft_params, config, prompt,
                      repeats: int, temperatures=(0.0,), source=None,
                      parts=("draft", "verify", "accept")) -> dict:
-  """ms of one speculative iteration's parts at batch 1 after `prompt`, as speculative_decode runs
-  them with `config` (a speculative.SpecConfig): `draft` = speculative.draft (gamma drafter calls
-  with transform and sampling), `verify` = speculative.verify (the target scoring gamma + 1 tokens,
-  transform included), `accept` = speculative.settle (accept, commit, statistics, roll back). Their
-  sum is one iteration; Thm 3.8 counts only the first two, and for a sub-millisecond target the third
-  is not negligible. Each part is timed like `step_seconds` (median of 3 medians), its inputs varied
-  per step (`varying`); one compile per part serves every temperature (traced, as in the loop).
-  verify and accept do not depend on the drafter: time them once per gamma.
-  Returns {temperature: {part: ms}} for the `parts` asked."""
+  """ms of one speculative iteration's parts at batch 1 after `prompt` ({temperature: {part: ms}}),
+  each the median of 3 medians of `repeats` (`chain_cost_timer`, compiled once for all temperatures).
+  verify and accept do not depend on the drafter: time them once per gamma where the machine is quiet."""
+  time_parts = chain_cost_timer(model, params, drafter, draft_params, config, prompt, source, parts)
+  return {float(t): time_parts(t, repeats, rounds=3) for t in temperatures}
+
+
+def chain_cost_timer(model: contracts.Model, params, drafter, draft_params, config, prompt,
+                     source=None, parts=("draft", "verify", "accept")):
+  """time_parts(temperature, repeats, rounds) -> {part: ms} for one speculative iteration's `parts`
+  at batch 1 after `prompt`, as speculative_decode runs them with `config` (a speculative.SpecConfig):
+  `draft` = speculative.draft (gamma drafter calls with transform and sampling), `verify` =
+  speculative.verify (the target scoring gamma + 1 tokens, transform included), `accept` =
+  speculative.settle (accept, commit, statistics, roll back). Their sum is one iteration; Thm 3.8
+  counts only the first two, and for a sub-millisecond target the third is not negligible. Each part
+  is timed like `step_seconds` (the median over `rounds` of medians of `repeats`), its inputs varied
+  per step (`varying`). Compiled on the first call and reused by every later one (the temperature is
+  traced, as in the loop), so a sweep can time the parts again beside each point it measures."""
   from specjax import speculative  # pylint: disable=import-outside-toplevel  (it imports this module)
   tokens, lengths = map(jnp.asarray, prompt)
   rng, gamma = jax.random.PRNGKey(0), config.gamma
@@ -424,7 +450,7 @@ def chain_step_costs(model: contracts.Model, params, drafter, draft_params, conf
     session = contracts.bind_session(model, params, context)
     s = speculative.initial_state(session, drafter, draft_params, config, tokens, lengths, rng,
                                   transform, source)
-    if parts == ("draft",):  # the draft's own inputs are in the state
+    if tuple(parts) == ("draft",):  # the draft's own inputs are in the state
       return context, s, None
     draft_uniforms = speculative.iteration_uniforms(rng, 0, 1, gamma)[0]
     draft_tokens, draft_probs, _ = speculative.draft(drafter, draft_params, s.draft_state,
@@ -459,18 +485,17 @@ def chain_step_costs(model: contracts.Model, params, drafter, draft_params, conf
 
   fresh = lambda tree: jax.tree_util.tree_map(jnp.copy, tree)  # the timers donate their state
   timers = {part: chained_timer(fn) for part, fn in
-            (("draft", draft), ("verify", verify), ("accept", accept))}
-  probe, zero, costs = one_token(prompt), jnp.zeros((), jnp.int32), {}
-  for temperature in temperatures:
+            (("draft", draft), ("verify", verify), ("accept", accept)) if part in parts}
+  probe, zero = one_token(prompt), jnp.zeros((), jnp.int32)
+
+  def time_parts(temperature: float, repeats: int, rounds: int = 1) -> dict[str, float]:
     t = jnp.float32(temperature)
     context, s, drafted = start(params, draft_params, t, source)
     inputs_and_state = {"draft": ((draft_params, t, s), (s.draft_state, zero)),
                         "verify": ((params, context, t, s, drafted[0] if drafted else None),
                                    (s.target_cache, zero)),
                         "accept": ((t, drafted), (s, zero))}
-    costs[float(temperature)] = {}
-    for part in parts:
-      inputs, state = inputs_and_state[part]
-      costs[float(temperature)][part] = 1000 * timed_rounds(timers[part], inputs, fresh(state),
-                                                            *probe, repeats, rounds=3)
-  return costs
+    return {part: 1000 * timed_rounds(timers[part], *inputs_and_state[part][:1],
+                                      fresh(inputs_and_state[part][1]), *probe, repeats, rounds)
+            for part in parts}
+  return time_parts
