@@ -188,16 +188,49 @@ def token_losses(model, params, batch):
   return losses, (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
 
 
-class Trainer:
-  """The jitted train and eval steps of one T5 config (one compile per bucket width)."""
+@dataclasses.dataclass(frozen=True)
+class Teacher:
+  """A trained T5 whose teacher-forced distribution a draft learns (word-level distillation): the
+  draft's loss per target position is (1 - weight) x cross-entropy on the reference token + weight x
+  cross-entropy against the teacher's softmax. A draft fitted to the target's own distribution agrees
+  with it more often than one fitted to the references alone, and alpha is that agreement."""
+  config: t5.T5Config
+  params: object
+  weight: float
 
-  def __init__(self, config: t5.T5Config, spec: TrainSpec, mesh=None):
+
+def load_teacher(path: str, weight: float, config: t5.T5Config, vocab_path) -> Teacher:
+  """The teacher checkpoint at `path`, refused unless it speaks the student's vocabulary."""
+  teacher_config, params = checkpoints.load(path)
+  if not isinstance(teacher_config, t5.T5Config):
+    raise ValueError(f"the teacher {path} is a decoder-only checkpoint; a T5 draft distils from a T5")
+  shipped = pathlib.Path(path) / "spiece.model"
+  if teacher_config.vocab_size != config.vocab_size or (
+      shipped.is_file() and shipped.read_bytes() != pathlib.Path(vocab_path).read_bytes()):
+    raise ValueError(f"the teacher {path} has another vocabulary ({teacher_config.vocab_size} ids) "
+                     f"than the model trained here ({config.vocab_size} ids, {vocab_path}): set "
+                     "TaskSpec.vocabulary to the teacher's spiece.model")
+  return Teacher(teacher_config, jax.device_get(params), weight)
+
+
+class Trainer:
+  """The jitted train and eval steps of one T5 config (one compile per bucket width); with a
+  `teacher`, the training loss is distilled (`Teacher`), validation stays the plain cross-entropy."""
+
+  def __init__(self, config: t5.T5Config, spec: TrainSpec, mesh=None, teacher: Teacher | None = None):
     self.config, self.spec = config, spec
     self.optimizer = make_optimizer(spec)
     model = t5.model(config, mesh)  # with a mesh, activations laid out by the sharding rules
+    teacher_model = None if teacher is None else t5.model(teacher.config, mesh)
 
     def loss_fn(params, batch):
-      losses, _ = token_losses(model, params, batch)
+      logits = teacher_forced_logits(model, params, batch)
+      losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+      if teacher is not None:
+        soft = jax.nn.softmax(jax.lax.stop_gradient(
+            teacher_forced_logits(teacher_model, batch["teacher_params"], batch)), axis=-1)
+        losses = ((1.0 - teacher.weight) * losses
+                  + teacher.weight * optax.softmax_cross_entropy(logits, soft))
       return (losses * batch["mask"]).sum() / jnp.maximum(batch["mask"].sum(), 1.0)
 
     def eval_step(params, batch):
@@ -206,7 +239,13 @@ class Trainer:
       return {"loss": (losses * mask).sum(), "accuracy": (correct * mask).sum(),
               "positions": mask.sum()}
 
-    self.train_step = make_train_step(loss_fn, self.optimizer)
+    step = make_train_step(loss_fn, self.optimizer)
+    if teacher is None:
+      self.train_step = step
+    else:  # the teacher's weights go in as an argument: as jit constants they would be compiled in
+      teacher_params = jax.tree_util.tree_map(jnp.asarray, teacher.params)
+      self.train_step = lambda params, opt_state, batch: step(
+          params, opt_state, {**batch, "teacher_params": teacher_params})
     self.eval_step = jax.jit(eval_step)
 
   def evaluate(self, params, batches) -> dict:
@@ -293,13 +332,22 @@ def initial_params(shape: T5Shape, vocab, init_checkpoint: str | None, seed: int
 def train(output_dir: str = "out/t5_gettext/target", task: TaskSpec = TaskSpec(),
           model: T5Shape = T5Shape(), training: TrainSpec = TrainSpec(),
           init_checkpoint: str | None = None, seed: int = 0, mesh_shape: tuple = (1, 1),
-          stop_after_step: int | None = None) -> dict:
+          stop_after_step: int | None = None, teacher: str | None = None,
+          teacher_weight: float = 0.8) -> dict:
   """Train (or fine-tune from init_checkpoint) a T5 into output_dir; returns the summary. A finished
   output_dir is reused as is; an interrupted one resumes; one holding another spec is refused.
   mesh_shape: (data, model) devices; parameters and optimizer state are sharded over 'model' by the
   sharding rules (the ones decoding uses) and batch rows over 'data', e.g. (1, 8) on a v4-8 or v5p-8
-  to fine-tune T5-XXL."""
+  to fine-tune T5-XXL. teacher: a trained T5 (same vocabulary) to distil from, its share of the
+  training loss `teacher_weight` (`Teacher`), e.g. the experiment's target for its drafts."""
   check_task(task.task)  # a task that does not exist fails before the directory is touched
+  if teacher is not None and not 0.0 < teacher_weight <= 1.0:
+    raise ValueError(f"teacher_weight = {teacher_weight}: the teacher's share of the loss must be "
+                     "in (0, 1]")
+  if teacher is not None and "://" not in teacher and not pathlib.Path(teacher).exists():
+    raise FileNotFoundError(f"no teacher checkpoint at {teacher}: train it first (the gettext "
+                            "drafts distil from python -m specjax.train "
+                            "--gin_file=configs/t5_gettext/target.gin) or point teacher at a T5")
   if task.evaluation_limit:
     check_task(task.evaluation_task)
   remote = task.vocabulary is not None and "://" in task.vocabulary
@@ -311,17 +359,21 @@ def train(output_dir: str = "out/t5_gettext/target", task: TaskSpec = TaskSpec()
           "mesh_shape": list(mesh_shape),
           "content_keys": {name: checkpoints.content_key(path) for name, path in
                            (("vocabulary", None if remote else task.vocabulary),
-                            ("init_checkpoint", init_checkpoint)) if path is not None}}
+                            ("init_checkpoint", init_checkpoint), ("teacher", teacher))
+                           if path is not None}}
+  if teacher is not None:  # absent otherwise, so models trained before distillation existed resume
+    spec |= {"teacher": teacher, "teacher_weight": teacher_weight}
   with outputs.RunDirectory(output_dir, spec, "train_log.jsonl", "spec_fingerprint",
                             gin.config_str(), other_results=("checkpoints", "hf", "t5x")) as run_dir, \
        outputs.RowsFile(run_dir.results, run_dir.fingerprint, "spec_fingerprint",
                         unique_key="step") as loss_log:
     return _train(run_dir.path, loss_log, task, model, training, init_checkpoint, seed,
-                  sharding.make_mesh(*mesh_shape), stop_after_step)
+                  sharding.make_mesh(*mesh_shape), stop_after_step, teacher, teacher_weight)
 
 
 def _train(output_dir: pathlib.Path, loss_log, task: TaskSpec, shape: T5Shape, training: TrainSpec,
-           init_checkpoint, seed, mesh, stop_after_step) -> dict:
+           init_checkpoint, seed, mesh, stop_after_step, teacher_path=None,
+           teacher_weight=0.8) -> dict:
   summary_path = output_dir / "summary.json"
   if summary_path.exists() and (output_dir / "hf" / "config.json").exists():
     logging.info("trained model found in %s; nothing to do", output_dir)
@@ -329,6 +381,8 @@ def _train(output_dir: pathlib.Path, loss_log, task: TaskSpec, shape: T5Shape, t
   started = time.perf_counter()
   vocab, vocab_path = obtain_vocabulary(task, output_dir)
   config, params = initial_params(shape, vocab, init_checkpoint, seed)
+  teacher = (None if teacher_path is None else
+             load_teacher(teacher_path, teacher_weight, config, vocab_path))
   train_pairs = tokenized(task, task.train_split, vocab, vocab_path)
   val_pairs = tokenized(task, task.validation_split, vocab, vocab_path, limit=task.validation_limit)
   if not train_pairs or not val_pairs:
@@ -349,7 +403,7 @@ def _train(output_dir: pathlib.Path, loss_log, task: TaskSpec, shape: T5Shape, t
         name: sharding.batch_sharding(mesh, value.shape[0], value.ndim) for name, value in batch.items()})
     train_batches = [rows_over_data(b) for b in train_batches]
     val_batches = [rows_over_data(b) for b in val_batches]
-  trainer = Trainer(config, training, mesh if mesh.size > 1 else None)
+  trainer = Trainer(config, training, mesh if mesh.size > 1 else None, teacher)
   before = trainer.evaluate(params, val_batches)
   fit_start = time.perf_counter()
   params, _ = fit(trainer, params, train_batches, seed, output_dir / "checkpoints",
