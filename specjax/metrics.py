@@ -495,7 +495,9 @@ def chain_cost_timer(model: contracts.Model, params, drafter, draft_params, conf
                         "verify": ((params, context, t, s, drafted[0] if drafted else None),
                                    (s.target_cache, zero)),
                         "accept": ((t, drafted), (s, zero))}
-    return {part: 1000 * timed_rounds(timers[part], *inputs_and_state[part][:1],
-                                      fresh(inputs_and_state[part][1]), *probe, repeats, rounds)
-            for part in parts}
+    ms = {}
+    for part in parts:
+      inputs, state = inputs_and_state[part]
+      ms[part] = 1000 * timed_rounds(timers[part], inputs, fresh(state), *probe, repeats, rounds)
+    return ms
   return time_parts
