@@ -22,7 +22,7 @@ Either model family: for an encoder-decoder target (T5) the prompts are its sour
 are counted on the reference outputs, and model drafts encode the source themselves.
 
 The pieces: `SweepSpec` (the grid), `Setup` (target, drafters, prompts), `StepCosts` (c and v, probed
-once), `Programs` (compiled programs and which have been warmed up) and `measure_point`.
+once; the iteration parts' timers), `Programs` (compiled programs and which have been warmed up) and `measure_point`.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ class SweepSpec:
       float(value)  # a non-number fails here, with its value in the message
     for temperature in self.temperatures:
       speculative.validate_traced(temperature, 1.0, 1.0)
-    # Temperature and lenience vary fastest: the points of one compiled program (drafter, gamma)
-    # run back to back, and so right beside the iteration's parts timed for them (StepCosts).
+    # Temperature and lenience vary fastest (both are traced): the points of one compiled program
+    # (drafter, gamma) run back to back.
     lossless = resumable.grid(task=list(self.tasks), drafter=list(self.drafters), gamma=gammas,
                               lenience=[1.0], temperature=list(self.temperatures))
     lossy = [l for l in self.leniences if l != 1.0]
