@@ -69,7 +69,7 @@ class Bench:
   def __init__(self, target, spec: TreeSweepSpec, decode: run.DecodeSpec, seed: int, style: str):
     self.target, self.spec, self.decode = target, spec, decode
     names = spec.drafters
-    sequences = (data.train_sequences(target.tokenizer, False, style)
+    sequences = (data.train_sequences(target.tokenizer, target.encoder_decoder, style)
                  if any(map(tree_drafters.tree_drafter_needs_text, names)) else None)
     self.drafters = {name: tree_drafters.make_tree_drafter(name, target.config, target.params,
                                                            sequences)
@@ -85,12 +85,12 @@ class Bench:
     self.max_size = max(trees.Tree.from_name(t).size for t in spec.trees)
     self._part_timers, self._compiled, self._prefill = {}, {}, {}
     probe = next(iter(prompts.values()))[0]
-    self.probe = probe[:2]
+    self.probe, self.probe_source = probe[:2], probe[2]
     self.target_ms = 1000 * metrics.step_seconds(
         metrics.target_step(target.model), target.params,
         jax.jit(speculative_sweep.ModelDrafter(target.model).init, static_argnums=3)(
-            target.params, *self.probe, self.cache_length(probe)), *metrics.one_token(self.probe),
-        15)
+            target.params, *self.probe, self.cache_length(probe), self.probe_source),
+        *metrics.one_token(self.probe), 15)
 
   def cache_length(self, prompt) -> int:
     return prompt[0].shape[1] + self.decode.max_new_tokens + self.max_size
@@ -101,9 +101,9 @@ class Bench:
     key = (name, tree.name)
     if key not in self._part_timers:
       drafter, params = self.drafters[name]
-      self._part_timers[key] = metrics.tree_cost_timer(self.target.model, self.target.params, drafter,
-                                                 params, tree, self.probe,
-                                                 self.cache_length(self.probe))
+      self._part_timers[key] = metrics.tree_cost_timer(
+          self.target.model, self.target.params, drafter, params, tree, self.probe,
+          self.cache_length(self.probe), source=self.probe_source)
     return self._part_timers[key]
 
   def tree_run(self, task: str, name: str, tree: trees.Tree, temperature: float):
@@ -117,7 +117,7 @@ class Bench:
     # the same uniforms, and one small first uniform drew SmolLM2's low-id EOS for all of them.
     run_one = lambda tokens, lengths, source: jax.block_until_ready(fn(
         self.target.params, draft_params, tokens, lengths,
-        jax.random.fold_in(self.setup.rng, lengths[0]), temperature, decode.top_p))
+        jax.random.fold_in(self.setup.rng, lengths[0]), temperature, decode.top_p, source))
     return self.programs.timed(key, task, run_one)
 
   def tree_prefill_seconds(self, task: str, name: str) -> float:
@@ -125,19 +125,20 @@ class Bench:
     key = (task, name)
     if key not in self._prefill:
       drafter, draft_params = self.drafters[name]
-      tokens, lengths, _ = prompt = self.setup.prompts[task][0]
+      tokens, lengths, source = prompt = self.setup.prompts[task][0]
       length = self.cache_length(prompt)
       model = self.target.model
 
-      def prefill(params, dparams, tokens, lengths):
+      def prefill(params, dparams, tokens, lengths, source):
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return (model.feature_step(params, None, tokens, positions,
+        return (model.feature_step(params, model.encode(params, source), tokens, positions,
                                    model.init_cache(tokens.shape[0], length)),
-                drafter.init(dparams, tokens, lengths, length))
+                drafter.init(dparams, tokens, lengths, length, source))
 
-      compiled = jax.jit(prefill).lower(self.target.params, draft_params, tokens, lengths).compile()
-      self._prefill[key] = metrics.median_seconds(lambda: jax.block_until_ready(
-          compiled(self.target.params, draft_params, tokens, lengths)), 5)[0]
+      inputs = (self.target.params, draft_params, tokens, lengths, source)
+      compiled = jax.jit(prefill).lower(*inputs).compile()
+      self._prefill[key] = metrics.median_seconds(
+          lambda: jax.block_until_ready(compiled(*inputs)), 5)[0]
     return self._prefill[key]
 
 
@@ -244,9 +245,6 @@ def sweep(output_dir: str = "out/smollm2_trees", target: run.ModelSpec = run.Mod
                   d: checkpoints.content_key(tree_drafters.feature_directory(d))
                   for d in grid.drafters if tree_drafters.feature_directory(d) is not None}}}
   loaded, _ = run.load_target(target, (1, 1))
-  if loaded.encoder_decoder:
-    raise ValueError("the tree sweep verifies decoder-only targets (trees.check_tree_target); "
-                     "sweep a T5 target with speculative_sweep.sweep")
   bench = []
 
   def measure(point):

@@ -19,7 +19,9 @@ loops (`autoregressive.py`, `speculative.py`) import nothing from `specjax.model
              token t at slot slots[:, t] (RoPE at positions[:, t]) and lets it see only the slots
              visible[:, t] allows; slots / visible None = the chain step plus its final hidden states
              (what feature drafters read; XLA drops them when unused). `move_cache(cache, source_slots,
-             dest_slots)` compacts an accepted path. `supports_trees(model)` says whether a model has both.
+             dest_slots)` compacts an accepted path. `supports_trees(model)` says whether a model has both
+             (decoder-only models and T5: for T5 `context` is the encoded source, and its relative
+             position bias is taken between positions, not slots).
 
 An encoder-decoder model's decoder starts from its decoder start token: that one token is its
 "prompt" (prompt_tokens[B, 1], lengths 1), and the source text goes in as `Source`.
@@ -134,6 +136,10 @@ class StepModel:
   def move_cache(self, cache, source_slots, dest_slots):
     return self.move(cache, source_slots, dest_slots)
 
+  @property
+  def verifies_trees(self) -> bool:
+    return self.features is not None and self.move is not None
+
   def encode(self, params: Params, source: Source | None) -> None:
     if source is not None:
       raise ValueError("this decoder-only model takes no encoder input (source); put the text in the "
@@ -147,8 +153,7 @@ class StepModel:
 
 
 def supports_trees(model) -> bool:
-  return (getattr(model, "features", None) is not None
-          and callable(getattr(model, "move_cache", None)))
+  return bool(getattr(model, "verifies_trees", False))
 
 
 def check_drafter_family(target: Model, drafter) -> None:

@@ -351,7 +351,7 @@ def tree_step_costs(model: contracts.Model, params, drafter, draft_params, tree,
 
 
 def tree_cost_timer(model: contracts.Model, params, drafter, draft_params, tree, prompt,
-                    max_length: int, parts=("draft", "verify", "accept")):
+                    max_length: int, parts=("draft", "verify", "accept"), source=None):
   """time_parts(temperature, repeats, rounds) -> {part: ms} of one tree iteration's `parts` at batch 1
   after `prompt` (trees.py), each timed like `step_seconds`: `draft` the drafter's candidates for the
   whole tree, `verify` the target scoring the T nodes with the tree mask, `accept` the transform at
@@ -365,8 +365,9 @@ def tree_cost_timer(model: contracts.Model, params, drafter, draft_params, tree,
   from specjax import trees  # pylint: disable=import-outside-toplevel  (trees imports this module)
   tokens, lengths = prompt
   history = jnp.zeros((1, max_length), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
+  context = jax.jit(model.encode)(params, source)  # an encoder-decoder target's encoded source
   logits, hidden, cache = model.feature_step(
-      params, None, tokens, jnp.arange(tokens.shape[1], dtype=jnp.int32)[None],
+      params, context, tokens, jnp.arange(tokens.shape[1], dtype=jnp.int32)[None],
       model.init_cache(1, max_length))
   cache = contracts.set_lengths(cache, lengths)
   features = hidden[:, -1].astype(jnp.float32)
@@ -382,10 +383,10 @@ def tree_cost_timer(model: contracts.Model, params, drafter, draft_params, tree,
         tree.depth, tree.width)
     return candidates, (drafter_state, features, history, step + 1)
 
-  def verify(params, state, tokens, _positions):
-    cache, step = state
+  def verify(inputs, state, tokens, _positions):
+    (params, context), (cache, step) = inputs, state
     node_tokens = varying(step, jnp.broadcast_to(tokens[:, :1], (1, tree.size)))
-    logits, _, new_cache = model.feature_step(params, None, node_tokens, node_inputs[0], cache,
+    logits, _, new_cache = model.feature_step(params, context, node_tokens, node_inputs[0], cache,
                                               *node_inputs[1:])
     return jnp.argmax(logits, axis=-1), (contracts.set_lengths(new_cache, cache.lengths), step + 1)
 
@@ -402,12 +403,13 @@ def tree_cost_timer(model: contracts.Model, params, drafter, draft_params, tree,
   zero = jnp.zeros((), jnp.int32)
   timers = {part: chained_timer(fn) for part, fn in
             (("draft", draft), ("verify", verify), ("accept", accept)) if part in parts}
-  states = {"draft": lambda: (drafter.init(draft_params, tokens, lengths, max_length), features,
-                              history, zero),
+  states = {"draft": lambda: (drafter.init(draft_params, tokens, lengths, max_length, source),
+                              features, history, zero),
             "verify": lambda: (cache, zero), "accept": lambda: (node_logits, cache, zero)}
 
   def time_parts(temperature: float, repeats: int, rounds: int = 1) -> dict[str, float]:
-    inputs = {"draft": draft_params, "verify": params, "accept": jnp.float32(temperature)}
+    inputs = {"draft": draft_params, "verify": (params, context),
+              "accept": jnp.float32(temperature)}
     # The timers donate their state: each gets a fresh copy.
     return {part: 1000 * timed_rounds(timers[part], inputs[part],
                                       jax.tree_util.tree_map(jnp.copy, states[part]()), *probe,

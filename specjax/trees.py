@@ -8,6 +8,8 @@ tokens each iteration.
 Verification (one target call on all T nodes): the nodes go into the KV cache after the prefix, node i
 in slot prefix + i, with its RoPE position prefix + depth(i), and each node attends to the prefix and
 its own ancestors only (`attention_inputs`), so its logits are exactly those of its path run as a chain.
+An encoder-decoder target (T5) verifies the same way: its source is encoded once, and its relative
+position bias is taken between the nodes' positions, not their slots.
 
 Acceptance walk, per row, from the root: draw y from the target's distribution at the current node
 (after temperature / top-k / top-p; argmax at temperature 0) with this depth's uniform; if a child of
@@ -280,22 +282,18 @@ class TreeState:
 
 
 def check_tree_target(target) -> None:
-  if getattr(target, "encoder_decoder", False):
-    raise ValueError("token trees are verified for decoder-only targets; an encoder-decoder decoder "
-                     "(T5) would need its relative position bias computed from tree positions rather "
-                     "than cache slots, which its attention does not take yet: use the chain loop "
-                     "(speculative.make_speculative_decode) for T5")
   if not contracts.supports_trees(target):
     raise ValueError("this target cannot verify token trees (it has no feature_step / move_cache); "
-                     "build it with specjax.models.decoder_only.model(config)")
+                     "build it with specjax.models.decoder_only.model(config) or t5.model(config)")
 
 
 def tree_decode(target: contracts.Model, drafter: TreeDrafter, config: TreeConfig, target_params,
                 draft_params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, rng: jax.Array,
-                temperature=0.0, top_p=1.0) -> SpecOutput:
+                temperature=0.0, top_p=1.0, source: contracts.Source | None = None) -> SpecOutput:
   """Decode up to max_new_tokens per row, verifying config.tree each iteration. Conventions (padding,
-  EOS, per-row finishing, SpecOutput with gamma = tree depth) as speculative.speculative_decode; the
-  stats' acceptance_probs hold the walk's betas per depth. Jit with `make_tree_decode`."""
+  EOS, per-row finishing, SpecOutput with gamma = tree depth, `source` for an encoder-decoder target:
+  encoded once, and given to the drafter's init) as speculative.speculative_decode; the stats'
+  acceptance_probs hold the walk's betas per depth. Jit with `make_tree_decode`."""
   tree, max_new = config.tree, config.max_new_tokens
   batch, prompt_len = prompt_tokens.shape
   max_length = prompt_len + max_new + tree.size  # the tree's writes never fall off the end
@@ -304,7 +302,9 @@ def tree_decode(target: contracts.Model, drafter: TreeDrafter, config: TreeConfi
   prompt_lengths = prompt_lengths.astype(jnp.int32)
   rows = jnp.arange(batch)
   positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-  logits, hidden, cache = target.feature_step(target_params, None, prompt_tokens, positions,
+  contracts.check_source(target, source)
+  context = target.encode(target_params, source)
+  logits, hidden, cache = target.feature_step(target_params, context, prompt_tokens, positions,
                                               target.init_cache(batch, max_length))
   first = sampling.sample_with_uniform(
       speculative.first_token_uniform(rng, batch),
@@ -320,7 +320,7 @@ def tree_decode(target: contracts.Model, drafter: TreeDrafter, config: TreeConfi
       history=history.at[rows, prompt_lengths].set(first),
       features=hidden[rows, prompt_lengths - 1].astype(jnp.float32),
       target_cache=contracts.set_lengths(cache, prompt_lengths),
-      draft_state=drafter.init(draft_params, prompt_tokens, prompt_lengths, max_length),
+      draft_state=drafter.init(draft_params, prompt_tokens, prompt_lengths, max_length, source),
       stats=SpecStats.empty(batch, max_new, tree.depth))
 
   def cond(s: TreeState):
@@ -332,7 +332,7 @@ def tree_decode(target: contracts.Model, drafter: TreeDrafter, config: TreeConfi
                                                  s.features, tree.depth, tree.width)
     tokens = node_tokens(tree, s.last_token, candidates)
     positions, slots, visible = attention_inputs(tree, s.position, max_length)
-    logits, hidden, cache = target.feature_step(target_params, None, tokens, positions,
+    logits, hidden, cache = target.feature_step(target_params, context, tokens, positions,
                                                 s.target_cache, slots, visible)
     path, num_accepted, next_token, betas = walk(tree, tokens, transform(logits), uniforms)
     path_tokens = jnp.take_along_axis(tokens, path[:, 1:], axis=1)  # [B, depth]
@@ -363,20 +363,20 @@ def tree_decode(target: contracts.Model, drafter: TreeDrafter, config: TreeConfi
 def make_tree_decode(target: contracts.Model, drafter: TreeDrafter, config: TreeConfig,
                      **jit_kwargs):
   """jit(tree_decode) for one (target, drafter, config): fn(target_params, draft_params,
-  prompt_tokens[B, P], prompt_lengths[B], rng, temperature=0., top_p=1.) -> SpecOutput; temperature
-  and top_p are validated on the host and traced, so a sweep over them compiles once."""
+  prompt_tokens[B, P], prompt_lengths[B], rng, temperature=0., top_p=1., source=None) -> SpecOutput;
+  temperature and top_p are validated on the host and traced, so a sweep over them compiles once."""
   check_tree_target(target)
   contracts.check_drafter_family(target, drafter)
   jitted = jax.jit(functools.partial(tree_decode, target, drafter, config), **jit_kwargs)
 
   def run(target_params, draft_params, prompt_tokens, prompt_lengths, rng, temperature=0.0,
-          top_p=1.0) -> SpecOutput:
+          top_p=1.0, source=None) -> SpecOutput:
     host = speculative._concrete_floats(temperature, top_p)  # pylint: disable=protected-access
     if host is not None:
       sampling.validate_sampling(host[0], 0, host[1])
     as_f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     return jitted(target_params, draft_params, prompt_tokens, prompt_lengths, rng,
-                  as_f32(temperature), as_f32(top_p))
+                  as_f32(temperature), as_f32(top_p), source)
 
   run.jitted = jitted
   return run

@@ -114,14 +114,18 @@ def test_bad_vocabulary_and_long_sources_are_refused(t5_dirs, tmp_path):
       t5.param_shapes(CONFIG))
 
 
+def _random_draft(directory, vocab_path):
+  """A smaller random T5 (its own encoder) saved as a Hugging Face directory: a sweep's draft."""
+  config = t5.T5Config(vocab_size=128, embed_dim=16, num_encoder_layers=1, num_decoder_layers=1,
+                       num_heads=2, head_dim=8, mlp_dim=32)
+  return hf_t5.save(directory, config, random_t5_params(config, seed=3), vocabulary=vocab_path)
+
+
 def test_t5_sweep_end_to_end(t5_dirs, tmp_path):
   """The measured speculative sweep on a T5 target: a smaller T5 draft (its own encoder) and prompt
   lookup over the source, on a prompts file; greedy points equal the baseline token for token."""
   hf_dir, _, vocab_path, prompts, _ = t5_dirs
-  draft_config = t5.T5Config(vocab_size=128, embed_dim=16, num_encoder_layers=1,
-                             num_decoder_layers=1, num_heads=2, head_dim=8, mlp_dim=32)
-  draft_dir = hf_t5.save(tmp_path / "draft", draft_config, random_t5_params(draft_config, seed=3),
-                         vocabulary=vocab_path)
+  draft_dir = _random_draft(tmp_path / "draft", vocab_path)
   gin.clear_config()
   run.parse_gin([str(pathlib.Path(__file__).parent.parent / "configs" / "smollm2_default.gin")], [
       f"speculative_sweep.sweep.output_dir = '{tmp_path / 'sweep'}'",
@@ -141,3 +145,30 @@ def test_t5_sweep_end_to_end(t5_dirs, tmp_path):
     assert 0.0 <= row["alpha"] <= 1.0 and row["c"] > 0 and row["target"] == "tiny"
     assert min(row["iteration_ms"].values()) > 0 and row["predicted_speedup_from_costs"] > 0
   assert (tmp_path / "sweep" / "tables.md").is_file()
+
+
+def test_t5_tree_sweep_end_to_end(t5_dirs, tmp_path):
+  """The token-tree sweep on a T5 target: trees from a smaller T5 draft's top-k and from prompt lookup
+  over the source, on a prompts file; greedy points equal the baseline token for token."""
+  hf_dir, _, vocab_path, prompts, _ = t5_dirs
+  draft_dir = _random_draft(tmp_path / "draft", vocab_path)
+  gin.clear_config()
+  run.parse_gin([str(pathlib.Path(__file__).parent.parent / "configs" / "t5_gettext" / "trees.gin")], [
+      f"tree_sweep.sweep.output_dir = '{tmp_path / 'trees'}'",
+      f"run.ModelSpec.checkpoint = '{hf_dir}'", "run.DecodeSpec.max_new_tokens = 8",
+      f"tree_sweep.TreeSweepSpec.tasks = ('{prompts}',)",
+      f"tree_sweep.TreeSweepSpec.drafters = ('model:{draft_dir}', 'lookup')",
+      "tree_sweep.TreeSweepSpec.trees = ('spine:2x2',)",
+      "tree_sweep.TreeSweepSpec.temperatures = (0.0, 1.0)",
+      "tree_sweep.TreeSweepSpec.prompts_per_task = 2"])
+  try:
+    rows = gin.get_configurable(run.main)()
+  finally:
+    gin.clear_config()
+  assert len(rows) == 4
+  for row in rows:
+    assert row["outputs_match_baseline"] is (True if row["temperature"] == 0.0 else None)
+    assert row["prompts"] == 2 and row["target"] == "tiny" and row["tree_size"] == 5
+    assert 1.0 <= row["tokens_per_target_call"] <= 3.0 and row["predicted_speedup"] > 0
+    assert min(row["cost_draft"], row["cost_verify"], row["cost_accept"]) > 0
+  assert "chain draft (top-k)" in (tmp_path / "trees" / "trees.md").read_text()

@@ -1,6 +1,7 @@
 """Encoder-decoder decoding in both loops: T5 greedy generation == transformers' generate; speculative
 T5 at temperature 0 == target greedy for any draft; the emitted distribution == the target's on an
-encoder-decoder table model; clear errors for mixed families and vocabularies."""
+encoder-decoder table model, for the chain loop and the token-tree loop; clear errors for mixed
+families and vocabularies. (T5 under tree attention and greedy tree decoding: tests/test_trees.py.)"""
 
 import functools
 
@@ -13,7 +14,8 @@ from scipy import stats
 
 from conftest import (BigramDrafter, LengthsCache, bigram_model, ragged_source, random_t5_params,
                       run_check_on_8_devices)
-from specjax import autoregressive, contracts, drafters, sampling, speculative
+from specjax import (autoregressive, contracts, drafters, sampling, speculative, tree_drafters,
+                     trees)
 from specjax.checkpoints import hf_t5
 from specjax.models import decoder_only, t5
 
@@ -153,6 +155,18 @@ class ConditionalBigram:
   def init_cache(self, batch, max_length):
     return LengthsCache(jnp.zeros((batch,), jnp.int32))
 
+  # As a tree model (trees.py): a node's logits depend on its own token and the source only; the
+  # lengths-only cache has nothing to compact.
+  verifies_trees = True
+
+  def feature_step(self, params, context, tokens, positions, cache, slots=None, visible=None):
+    logits, cache = self.decode_step(params, context, tokens,
+                                     positions if slots is None else slots, cache)
+    return logits, jnp.zeros(tokens.shape + (1,)), cache
+
+  def move_cache(self, cache, source_slots, dest_slots):
+    return cache
+
 
 @functools.lru_cache(maxsize=None)
 def _stat_fn(kind, top_k):
@@ -177,12 +191,11 @@ CASES = [("T5-style draft", dict(temperature=1.0)), ("T5-style draft", dict(temp
          ("T5-style draft", dict(temperature=1.2, top_k=3)), ("lookup over the source", {})]
 
 
-@pytest.mark.parametrize("kind,transform", CASES)
-def test_emitted_distribution_equals_target(kind, transform):
-  """Per source condition and output position, counts vs the exact target-only law: chi-square
-  p < 1e-6 fails (2 conditions x 5 positions x 4 cases: false-failure rate < 4e-5 over seeds) and
-  total variation < 0.08 (sd ~0.007 at 2000 rows per condition)."""
-  rng = np.random.RandomState(CASES.index((kind, transform)))
+def _run_and_check_laws(decode, kind, transform, seed):
+  """Decode ROWS sources (condition 1 or 2 first) with random target / draft tables and compare, per
+  condition and output position, the counts with the exact target-only law: chi-square p < 1e-6
+  fails, and total variation < 0.08 (sd ~0.007 at 2000 rows per condition). Returns the output."""
+  rng = np.random.RandomState(seed)
   target = (2.0 * rng.randn(VOCAB, VOCAB, VOCAB)).astype(np.float32)
   draft = (2.0 * rng.randn(VOCAB, VOCAB, VOCAB)).astype(np.float32)
   temperature, top_k = transform.get("temperature", 1.0), transform.get("top_k", 0)
@@ -190,11 +203,10 @@ def test_emitted_distribution_equals_target(kind, transform):
   # Sources: condition 1 or 2 first, then tokens the lookup drafter may copy from.
   conditions = np.repeat([1, 2], ROWS // 2)
   source = np.concatenate([conditions[:, None], rng.randint(0, VOCAB, (ROWS, 5))], 1)
-  out = _stat_fn(kind, top_k)(
-      jnp.asarray(target), None if kind.startswith("lookup") else jnp.asarray(draft),
-      jnp.zeros((ROWS, 1), jnp.int32), jnp.ones((ROWS,), jnp.int32), jax.random.PRNGKey(0),
-      temperature, top_p, 1.0, contracts.Source(jnp.asarray(source, jnp.int32),
-                                                jnp.full((ROWS,), 6, jnp.int32)))
+  out = decode(jnp.asarray(target), None if kind.startswith("lookup") else jnp.asarray(draft),
+               jnp.zeros((ROWS, 1), jnp.int32), jnp.ones((ROWS,), jnp.int32),
+               jax.random.PRNGKey(0), temperature, top_p,
+               contracts.Source(jnp.asarray(source, jnp.int32), jnp.full((ROWS,), 6, jnp.int32)))
   tokens = np.asarray(out.tokens)
   for condition in (1, 2):
     rows = tokens[conditions == condition]
@@ -206,8 +218,34 @@ def test_emitted_distribution_equals_target(kind, transform):
         assert stats.chisquare(counts[support], law[support] / law[support].sum()
                                * len(rows)).pvalue > 1e-6, (condition, position)
       assert 0.5 * np.abs(counts / len(rows) - law).sum() < 0.08
+  return out
+
+
+@pytest.mark.parametrize("kind,transform", CASES)
+def test_emitted_distribution_equals_target(kind, transform):
+  """The chain loop (2 conditions x 5 positions x 4 cases: false-failure rate < 4e-5 over seeds)."""
+  decode = lambda *args: _stat_fn(kind, transform.get("top_k", 0))(*args[:-1], 1.0, args[-1])
+  out = _run_and_check_laws(decode, kind, transform, CASES.index((kind, transform)))
   n = np.asarray(out.stats.num_accepted)
   assert 0 < n[n >= 0].mean() < 3  # both accepts and rejects happened
+
+
+TREE_CASES = [("T5-style draft", "spine:3x2", dict(temperature=1.0)),
+              ("lookup over the source", "full:2,2", dict(temperature=0.7, top_p=0.8))]
+
+
+@pytest.mark.parametrize("kind,tree_name,transform", TREE_CASES)
+def test_tree_emitted_distribution_equals_target(kind, tree_name, transform):
+  """The token-tree loop on the encoder-decoder table model, its tree from the draft's top-k (2
+  conditions x 5 positions x 2 cases: false-failure rate < 2e-5 over seeds)."""
+  drafter = (drafters.PromptLookupDrafter(VOCAB, 2, 1) if kind.startswith("lookup")
+             else drafters.ModelDrafter(ConditionalBigram()))
+  decode = trees.make_tree_decode(ConditionalBigram(), tree_drafters.ChainTopK(drafter),
+                                  trees.TreeConfig(trees.Tree.from_name(tree_name), 5))
+  run = lambda *args: decode(*args[:-1], source=args[-1])
+  out = _run_and_check_laws(run, kind, transform, 10 + TREE_CASES.index((kind, tree_name, transform)))
+  n = np.asarray(out.stats.num_accepted)
+  assert 0 < n[n >= 0].mean() < trees.Tree.from_name(tree_name).depth  # accepts and misses
 
 
 def test_sharded_equals_unsharded():

@@ -14,14 +14,17 @@ import numpy as np
 import pytest
 
 from conftest import (BigramDrafter, assert_follows_laws, bigram_cache, bigram_marginals,
-                      bigram_step, random_decoder_params)
+                      bigram_step, ragged_source, random_decoder_params, random_t5_params)
 from specjax import (autoregressive, contracts, drafters, sampling, speculative, tree_drafters,
                      trees)
-from specjax.models import decoder_only
+from specjax.models import decoder_only, t5
 
 TINY = decoder_only.SIZES["tiny"]
 TINY_DRAFT = decoder_only.DecoderConfig(vocab_size=128, embed_dim=32, num_layers=1, num_heads=2,
                                         num_kv_heads=1, head_dim=16, mlp_dim=64)
+T5_TARGET = t5.SIZES["tiny"]
+T5_DRAFT = t5.T5Config(vocab_size=128, embed_dim=16, num_encoder_layers=1, num_decoder_layers=1,
+                       num_heads=2, head_dim=8, mlp_dim=32)
 
 
 def random_tree(seed: int, nodes: int = 9, max_rank: int = 3) -> trees.Tree:
@@ -53,23 +56,22 @@ def test_tree_shapes():
     assert set(np.flatnonzero(tree.ancestors[i])) == expected
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("tree_seed", [0, 1])
-def test_tree_logits_equal_chain_logits(batch, tree_seed):
-  """Every node scored in one tree call has the logits of its path run as a chain (float32)."""
-  params = random_decoder_params(TINY, seed=0)
-  model = decoder_only.model(TINY)
+def assert_tree_logits_equal_chain_logits(model, params, batch, tree_seed, context_of_rows):
+  """Every node scored in one tree call has the logits and hidden state of its path run as a chain
+  (float32). context_of_rows(rows) -> the model's context for those batch rows (None: decoder-only)."""
   tree = random_tree(tree_seed, nodes=10)
+  step = jax.jit(model.feature_step)  # one compile per shape, not one per op
   rng = np.random.RandomState(tree_seed)
   lengths = jnp.asarray([5, 3, 1, 6][:batch], jnp.int32)
   prefix = jnp.asarray(rng.randint(0, 128, (batch, 6)), jnp.int32)
   slots = 6 + tree.size + 2
   positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (batch, 6))
-  _, _, cache = model.feature_step(params, None, prefix, positions, model.init_cache(batch, slots))
+  context = context_of_rows(np.arange(batch))
+  _, _, cache = step(params, context, prefix, positions, model.init_cache(batch, slots))
   cache = contracts.set_lengths(cache, lengths)
   tokens = jnp.asarray(rng.randint(0, 128, (batch, tree.size)), jnp.int32)
   positions, slots_, visible = trees.attention_inputs(tree, lengths, slots)
-  logits, hidden, _ = model.feature_step(params, None, tokens, positions, cache, slots_, visible)
+  logits, hidden, _ = step(params, context, tokens, positions, cache, slots_, visible)
   # The oracle: every (row, node) path as its own right-padded chain, all in one causal call.
   chains = [np.concatenate([np.asarray(prefix[b, :lengths[b]]),
                             np.asarray(tokens[b, np.flatnonzero(tree.ancestors[i])])])
@@ -77,9 +79,9 @@ def test_tree_logits_equal_chain_logits(batch, tree_seed):
   padded = np.zeros((len(chains), slots), np.int32)
   for row, chain in enumerate(chains):
     padded[row, :len(chain)] = chain
-  chain_logits, chain_hidden, _ = model.feature_step(
-      params, None, jnp.asarray(padded), jnp.broadcast_to(jnp.arange(slots), padded.shape),
-      model.init_cache(len(chains), slots))
+  chain_logits, chain_hidden, _ = step(
+      params, context_of_rows(np.repeat(np.arange(batch), tree.size)), jnp.asarray(padded),
+      jnp.broadcast_to(jnp.arange(slots), padded.shape), model.init_cache(len(chains), slots))
   last = np.asarray([len(chain) - 1 for chain in chains])
   rows = np.arange(len(chains))
   np.testing.assert_allclose(np.asarray(logits).reshape(len(chains), -1),
@@ -88,37 +90,74 @@ def test_tree_logits_equal_chain_logits(batch, tree_seed):
                              np.asarray(chain_hidden)[rows, last], atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("tree_seed", [0, 1])
+def test_tree_logits_equal_chain_logits(batch, tree_seed):
+  assert_tree_logits_equal_chain_logits(decoder_only.model(TINY), random_decoder_params(TINY, seed=0),
+                                        batch, tree_seed, lambda rows: None)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("tree_seed", [0, 1])
+def test_t5_tree_logits_equal_chain_logits(batch, tree_seed):
+  """T5's decoder under a tree: relative position bias between positions (not slots), with each
+  row's own encoded source."""
+  model, params = t5.model(T5_TARGET), random_t5_params(T5_TARGET, seed=4)
+  tokens, lengths = ragged_source(T5_TARGET, (20, 9, 14, 5)[:batch], seed=3)
+  assert_tree_logits_equal_chain_logits(
+      model, params, batch, tree_seed,
+      lambda rows: model.encode(params, contracts.Source(jnp.asarray(tokens[rows]),
+                                                         jnp.asarray(lengths[rows]))))
+
+
 @functools.lru_cache(maxsize=None)
-def _greedy_setup():
-  params = random_decoder_params(TINY, seed=0)
-  model = decoder_only.model(TINY)
-  prompts = jnp.asarray(np.random.RandomState(0).randint(0, 128, (4, 7)), jnp.int32)
-  lengths = jnp.array([7, 3, 5, 1], jnp.int32)
-  plain = autoregressive.make_generate(model, autoregressive.DecodeShape(20))(
-      params, prompts, lengths, jax.random.PRNGKey(0), 0.0)
-  eos = int(plain.tokens[0, 8])  # row 0 ends mid-way, so rows finish at different iterations
-  expected = autoregressive.make_generate(model, autoregressive.DecodeShape(
-      20, eos_id=eos, pad_id=-1))(params, prompts, lengths, jax.random.PRNGKey(0), 0.0)
-  return params, model, prompts, lengths, eos, expected
+def _greedy_setup(family):
+  """(model, params, prompt, source, eos, pad, max_new, the target's greedy decode): ragged prompts
+  (decoder-only) or sources (T5), and an EOS that row 0 emits mid-way, so rows finish at different
+  iterations."""
+  if family == "decoder-only":
+    model, params, source, pad, max_new = (decoder_only.model(TINY),
+                                           random_decoder_params(TINY, seed=0), None, -1, 20)
+    prompt = (jnp.asarray(np.random.RandomState(0).randint(0, 128, (4, 7)), jnp.int32),
+              jnp.array([7, 3, 5, 1], jnp.int32))
+  else:
+    model, params, pad, max_new = t5.model(T5_TARGET), random_t5_params(T5_TARGET, seed=4), 0, 16
+    source = contracts.Source(*map(jnp.asarray, ragged_source(T5_TARGET, (20, 9, 14, 5), seed=3)))
+    prompt = t5.decoder_prompt(T5_TARGET, 4)
+  generate = lambda shape: autoregressive.make_generate(model, shape)(
+      params, *prompt, jax.random.PRNGKey(0), 0.0, 1.0, source)
+  eos = int(generate(autoregressive.DecodeShape(max_new)).tokens[0, 8 if source is None else 6])
+  expected = generate(autoregressive.DecodeShape(max_new, eos_id=eos, pad_id=pad))
+  return model, params, prompt, source, eos, pad, max_new, expected
 
 
-@pytest.mark.parametrize("kind,tree_name", [
-    ("random model", "chain:4"), ("random model", "spine:3x3"), ("random model", "full:3,2,2"),
-    ("identical model", "spine:3x3"), ("prompt lookup", "full:3,2,2")])
-def test_greedy_equals_target_greedy(kind, tree_name):
-  params, model, prompts, lengths, eos, expected = _greedy_setup()
-  drafter, draft_params = {
+def _greedy_drafter(kind, model, params):
+  return {
       "random model": (drafters.ModelDrafter(decoder_only.model(TINY_DRAFT)),
                        random_decoder_params(TINY_DRAFT, seed=1)),
+      "random T5": (drafters.ModelDrafter(t5.model(T5_DRAFT)), random_t5_params(T5_DRAFT, seed=7)),
       "identical model": (drafters.ModelDrafter(model), params),
       "prompt lookup": (drafters.PromptLookupDrafter(128, max_ngram=2), None)}[kind]
+
+
+@pytest.mark.parametrize("family,kind,tree_name", [
+    ("decoder-only", "random model", "chain:4"), ("decoder-only", "random model", "spine:3x3"),
+    ("decoder-only", "random model", "full:3,2,2"), ("decoder-only", "identical model", "spine:3x3"),
+    ("decoder-only", "prompt lookup", "full:3,2,2"), ("T5", "random T5", "spine:3x3"),
+    ("T5", "random T5", "full:3,2,2"), ("T5", "identical model", "spine:3x3"),
+    ("T5", "prompt lookup", "full:2,2")])  # T5: lookup over the source
+def test_greedy_equals_target_greedy(family, kind, tree_name):
+  """At temperature 0 the tree loop emits the target's own greedy tokens, whatever drafts the tree,
+  for a decoder-only target and for T5 (its sources encoded once, ragged)."""
+  model, params, prompt, source, eos, pad, max_new, expected = _greedy_setup(family)
+  drafter, draft_params = _greedy_drafter(kind, model, params)
   tree = trees.Tree.from_name(tree_name)
   out = trees.make_tree_decode(model, tree_drafters.ChainTopK(drafter),
-                               trees.TreeConfig(tree, 20, eos_id=eos, pad_id=-1))(
-      params, draft_params, prompts, lengths, jax.random.PRNGKey(3), 0.0)
+                               trees.TreeConfig(tree, max_new, eos_id=eos, pad_id=pad))(
+      params, draft_params, *prompt, jax.random.PRNGKey(3), 0.0, source=source)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   np.testing.assert_array_equal(out.num_generated, expected.num_generated)
-  assert int(out.num_generated[0]) < 20 <= int(out.num_generated.max())
+  assert int(out.num_generated[0]) < max_new <= int(out.num_generated.max())
   n = np.asarray(out.stats.num_accepted)
   if kind == "identical model":  # the draft's top-1 chain is the target's: every depth accepted
     assert np.all(n[n >= 0] == tree.depth)

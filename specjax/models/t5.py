@@ -167,10 +167,11 @@ class _RelativePositionBias(_Module):
 
   @nn.compact
   def __call__(self, query_positions, key_positions):
-    """query_positions[B, T], key_positions[S] -> additive bias [B, heads, T, S] float32."""
+    """query_positions[B, T], key_positions[S] or [B, S] -> additive bias [B, heads, T, S] float32."""
     cfg = self.config
     table = param(self, "rel_embedding", (cfg.num_heads, cfg.relative_buckets), (axes.HEADS, None))
-    buckets = relative_position_bucket(key_positions[None, None, :] - query_positions[:, :, None],
+    key_positions = jnp.asarray(key_positions).reshape(-1, key_positions.shape[-1])  # [B or 1, S]
+    buckets = relative_position_bucket(key_positions[:, None, :] - query_positions[:, :, None],
                                        self.bidirectional, cfg.relative_buckets,
                                        cfg.relative_max_distance)
     return jnp.moveaxis(jnp.take(table, buckets, axis=1), 0, 1).astype(jnp.float32)
@@ -262,13 +263,19 @@ class _DecoderLayer(_Module):
   def cross_kv(self, encoded):
     return self.encoder_decoder_attention.project_kv(encoded)
 
-  def __call__(self, x, positions, keys, values, bias, cross_keys, cross_values, cross_mask):
-    """x[B, T, E] at positions[B, T]; keys / values: this layer's cache buffers [B, S, H, D]."""
+  def __call__(self, x, positions, keys, values, bias, cross_keys, cross_values, cross_mask,
+               slots=None, visible=None):
+    """x[B, T, E] at positions[B, T]; keys / values: this layer's cache buffers [B, S, H, D]. A chain
+    writes token t at slot positions[:, t] and sees the slots up to it; a token tree (trees.py) gives
+    its write slots[B, T] and visible[B, T, S]."""
     h = self.pre_self_attention_layer_norm(x)
     new_keys, new_values = self.self_attention.project_kv(h)
-    keys = self.constrain(kv_cache.write(keys, new_keys, positions), kv_cache.LOGICAL_AXES)
-    values = self.constrain(kv_cache.write(values, new_values, positions), kv_cache.LOGICAL_AXES)
-    mask = kv_cache.attention_mask(positions, keys.shape[1])[:, None]
+    slots = positions if slots is None else slots
+    keys = self.constrain(kv_cache.write(keys, new_keys, slots), kv_cache.LOGICAL_AXES)
+    values = self.constrain(kv_cache.write(values, new_values, slots), kv_cache.LOGICAL_AXES)
+    if visible is None:
+      visible = kv_cache.attention_mask(positions, keys.shape[1])
+    mask = visible[:, None]
     x = x + self.self_attention(h, keys, values, mask, bias)
     x = x + self.encoder_decoder_attention(self.pre_cross_attention_layer_norm(x), cross_keys,
                                            cross_values, cross_mask)
@@ -290,25 +297,31 @@ class _Decoder(_Module):
     pairs = [layer.cross_kv(encoded) for layer in self.layers]
     return tuple(k for k, _ in pairs), tuple(v for _, v in pairs)
 
-  def __call__(self, x, positions, cache, context, embedding):
-    """Embedded x[B, T, E] -> (logits[B, T, V] float32, cache)."""
+  def __call__(self, x, positions, cache, context, embedding, slots=None, visible=None):
+    """Embedded x[B, T, E] -> (logits[B, T, V] float32, cache, final-norm hidden [B, T, E])."""
     cfg = self.config
     # Causal bias of each query position against every cache slot; slots after the query are
-    # masked in the layers, so their bucket (0) never counts.
-    bias = self.relpos_bias(positions, jnp.arange(cache.max_length, dtype=jnp.int32))
+    # masked in the layers, so their bucket (0) never counts. Slot s holds position s, except a
+    # token tree's: its nodes sit at positions[:, t] in slots[:, t], and the bias is by position.
+    key_positions = jnp.arange(cache.max_length, dtype=jnp.int32)
+    if slots is not None:
+      rows = jnp.arange(positions.shape[0])[:, None]
+      key_positions = jnp.broadcast_to(key_positions, (positions.shape[0], cache.max_length))
+      key_positions = key_positions.at[rows, slots].set(positions.astype(jnp.int32))
+    bias = self.relpos_bias(positions, key_positions)
     cross_mask = source_mask(context.source_lengths, context.keys[0].shape[1])
     keys, values = list(cache.keys), list(cache.values)
     for i, layer in enumerate(self.layers):
       x, keys[i], values[i] = layer(x, positions, keys[i], values[i], bias, context.keys[i],
-                                    context.values[i], cross_mask)
+                                    context.values[i], cross_mask, slots, visible)
     y = self.decoder_norm(x)
     if cfg.tie_embeddings:
       logits = jnp.einsum("bte,ve->btv", y, embedding) * cfg.embed_dim ** -0.5
     else:
       logits = self.logits_dense(y)
     logits = self.constrain(logits.astype(jnp.float32), layers.LOGITS)
-    lengths = positions[:, -1].astype(jnp.int32) + 1
-    return logits, kv_cache.KVCache(tuple(keys), tuple(values), lengths)
+    lengths = (positions if slots is None else slots)[:, -1].astype(jnp.int32) + 1
+    return logits, kv_cache.KVCache(tuple(keys), tuple(values), lengths), y
 
 
 @flax.struct.dataclass
@@ -333,13 +346,13 @@ class _T5(_Module):
     keys, values = self.decoder.cross_kv(self.encode(source_tokens, source_lengths))
     return T5Context(keys, values, jnp.asarray(source_lengths, jnp.int32))
 
-  def decode(self, tokens, positions, cache, context):
+  def decode(self, tokens, positions, cache, context, slots=None, visible=None):
     return self.decoder(self.token_embedder(tokens), positions, cache, context,
-                        self.token_embedder.embedding)
+                        self.token_embedder.embedding, slots, visible)
 
   def __call__(self, source_tokens, source_lengths, tokens, positions, cache):
     """The whole model in one call (creates every parameter at init)."""
-    return self.decode(tokens, positions, cache, self.context(source_tokens, source_lengths))
+    return self.decode(tokens, positions, cache, self.context(source_tokens, source_lengths))[:2]
 
 
 def source_mask(lengths, source_length: int) -> jax.Array:
@@ -390,8 +403,22 @@ class T5Model:
   def decode_step(self, params, context: T5Context, tokens, positions, cache):
     """tokens[B, T] at positions[B, T] -> (logits[B, T, V] float32, cache with lengths
     positions[:, -1] + 1). Any T: prefill, one draft token, or a verification chunk."""
-    return _T5(self.config, self.mesh).apply({"params": params}, tokens, positions, cache, context,
-                                             method=_T5.decode)
+    return self.feature_step(params, context, tokens, positions, cache)[::2]
+
+  def feature_step(self, params, context: T5Context, tokens, positions, cache, slots=None,
+                   visible=None):
+    """decode_step that can verify a token tree (contracts: tree model) and also returns the final-norm
+    hidden states: (logits, hidden[B, T, E], cache)."""
+    logits, cache, hidden = _T5(self.config, self.mesh).apply(
+        {"params": params}, tokens, positions, cache, context, slots, visible, method=_T5.decode)
+    return logits, hidden, cache
+
+  def move_cache(self, cache, source_slots, dest_slots):
+    return kv_cache.move(cache, source_slots, dest_slots)
+
+  @property
+  def verifies_trees(self) -> bool:
+    return True
 
   def init_cache(self, batch: int, max_length: int) -> kv_cache.KVCache:
     return init_cache(self.config, batch, max_length, self.cache_dtype)
