@@ -10,8 +10,9 @@ for greedy lossless points, whether the outputs equal the baseline's token for t
 ms per token is end to end (prefill included) over the tokens each run emitted (EOS on), so greedy
 points compare identical token streams and sampled points compare per-token costs. Decode ms per token
 leaves out what each prompt pays once (Thm 3.8 models decoding only): every prompt is timed, and the
-loop's cost per iteration is fitted over the prompts (`decode_seconds`); the prefill, timed apart, is
-subtracted instead where all prompts ran about as many iterations. The target's
+loop's cost per iteration is fitted over the prompts (`paired_decode_seconds`, both sides of a ratio by
+the same method); the prefill, timed apart, is subtracted instead where there are few prompts or all
+ran about as many iterations. The target's
 cost of scoring gamma + 1 tokens, v_gamma in one-token steps, is measured once per sweep, and each row
 also carries Thm 3.8 with v_gamma in place of 1 (theory.speedup_with_verify_cost), and the prediction
 from one loop iteration's measured parts, draft + verify + accept (metrics.chain_cost_timer, timed
@@ -252,21 +253,36 @@ def size_name(config) -> str:
   return "custom"
 
 
-def decode_seconds(seconds, outs, tokens: int, prefill_seconds) -> tuple[float, dict]:
+# Prompts a side needs before its loop cost is fitted rather than its prefill subtracted.
+MIN_FIT_PROMPTS = 8
+
+
+def paired_decode_seconds(*sides) -> list[tuple[float, dict]]:
   """Seconds per decoded token (after each prompt's first, which the prefill gives) and how it was
-  found: the loop's cost per iteration fitted over the prompts (metrics.loop_seconds) where their
-  iteration counts spread, else the total less the prefill (prefill_seconds(), timed apart)."""
-  decoded = max(tokens - len(outs), 1)
-  iterations = [int(np.asarray(o.target_calls)) for o in outs]
-  fit = metrics.loop_seconds(seconds, iterations)
-  if fit is None:
-    prefill_s = prefill_seconds()
-    return (float(np.sum(seconds)) - len(outs) * prefill_s) / decoded, {
-        "method": "prefill subtracted", "fixed_ms_per_prompt": 1000 * prefill_s}
-  per_iteration, fixed = fit
-  return per_iteration * sum(iterations) / decoded, {
-      "method": "fit over prompts", "fixed_ms_per_prompt": 1000 * fixed,
-      "ms_per_iteration": 1000 * per_iteration}
+  found, for each side of a ratio: sides are (seconds per prompt, outputs, tokens, prefill_seconds())
+  and all get ONE method. The loop's cost per iteration fitted over the prompts (metrics.loop_seconds)
+  where every side has MIN_FIT_PROMPTS prompts whose iteration counts spread and a fitted fixed cost
+  >= 0; else each total less its prefill (timed apart). A ratio of a fit and a subtraction misled: 4
+  prompts of one pass fitted fixed costs of -616 to 1,119 ms per prompt where the prefill took 264
+  ms, and put the SmolLM2 tree sweep's greedy decode speedups at 1.4-1.9x against end-to-end
+  speedups of 0.9-1.5x."""
+  fits = [metrics.loop_seconds(seconds, [int(np.asarray(o.target_calls)) for o in outs])
+          if len(outs) >= MIN_FIT_PROMPTS else None for seconds, outs, _, _ in sides]
+  by_fit = all(fit is not None and fit[1] >= 0 for fit in fits)
+  results = []
+  for (seconds, outs, tokens, prefill_seconds), fit in zip(sides, fits):
+    decoded = max(tokens - len(outs), 1)
+    if by_fit:
+      per_iteration, fixed = fit
+      iterations = sum(int(np.asarray(o.target_calls)) for o in outs)
+      results.append((per_iteration * iterations / decoded, {
+          "method": "fit over prompts", "fixed_ms_per_prompt": 1000 * fixed,
+          "ms_per_iteration": 1000 * per_iteration}))
+    else:
+      prefill_s = prefill_seconds()
+      results.append(((float(np.sum(seconds)) - len(outs) * prefill_s) / decoded, {
+          "method": "prefill subtracted", "fixed_ms_per_prompt": 1000 * prefill_s}))
+  return results
 
 
 def in_turn(repeats: int, *runs) -> list[list]:
@@ -302,10 +318,9 @@ def measure_point(setup: Setup, costs: StepCosts, programs: Programs, point: dic
   parts = {part: float(np.median([p[part] for p in part_runs])) for part in part_runs[0]}
   prompts = len(setup.prompts[task])
   base_s, spec_s = float(np.sum(base_each)), float(np.sum(spec_each))
-  base_decode, base_timing = decode_seconds(base_each, base_out, base_tokens,
-                                            lambda: programs.prefill_seconds(task, None))
-  spec_decode, spec_timing = decode_seconds(spec_each, spec_out, spec_tokens,
-                                            lambda: programs.prefill_seconds(task, name))
+  (base_decode, base_timing), (spec_decode, spec_timing) = paired_decode_seconds(
+      (base_each, base_out, base_tokens, lambda: programs.prefill_seconds(task, None)),
+      (spec_each, spec_out, spec_tokens, lambda: programs.prefill_seconds(task, name)))
   base_ms, spec_ms = 1000 * base_s / max(base_tokens, 1), 1000 * spec_s / max(spec_tokens, 1)
   summary = metrics.summarize_outputs(spec_out)
   c, alpha, verify_cost = costs.c(name), summary["alpha_estimate"], costs.verify_cost[gamma]

@@ -156,10 +156,9 @@ def measure_point(bench: Bench, point: dict) -> dict:
   part_ms = {part: float(np.median([p[part] for p in part_runs])) for part in part_runs[0]}
   prompts = len(bench.setup.prompts[task])
   base_s, tree_s = float(np.sum(base_each)), float(np.sum(tree_each))
-  base_decode, base_timing = speculative_sweep.decode_seconds(
-      base_each, base_out, base_tokens, lambda: bench.programs.prefill_seconds(task, None))
-  tree_decode, tree_timing = speculative_sweep.decode_seconds(
-      tree_each, tree_out, tree_tokens, lambda: bench.tree_prefill_seconds(task, name))
+  (base_decode, base_timing), (tree_decode, tree_timing) = speculative_sweep.paired_decode_seconds(
+      (base_each, base_out, base_tokens, lambda: bench.programs.prefill_seconds(task, None)),
+      (tree_each, tree_out, tree_tokens, lambda: bench.tree_prefill_seconds(task, name)))
   summary = metrics.summarize_outputs(tree_out)
   num_accepted = np.concatenate([np.asarray(o.stats.num_accepted) for o in tree_out])
   betas = np.concatenate([np.asarray(o.stats.acceptance_probs) for o in tree_out])
@@ -228,7 +227,7 @@ def tree_table(rows: list[dict]) -> tables.Table:
            "steps (the baseline's decode ms per token at that temperature): the drafter's "
            "candidates, the target verifying the T nodes (v(T)), the transform at every node with "
            "the walk and the cache compaction. speedup = baseline decode ms/token over the tree loop's "
-           "(each prompt's fixed cost left out: speculative_sweep.decode_seconds); predicted = "
+           "(each prompt's fixed cost left out: speculative_sweep.paired_decode_seconds); predicted = "
            "theory.tree_speedup(beta by depth, costs).")
 
 

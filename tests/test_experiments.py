@@ -11,13 +11,14 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # experiments/ is a top-level folder (run as `python -m experiments.tables` from the repository root);
 # pyproject's pytest `pythonpath` makes the root importable.
-from experiments import plots, sweep, tables
+from experiments import plots, speculative_sweep, sweep, tables
 
 
 def thm38(alpha, gamma, c):
@@ -455,3 +456,30 @@ def test_second_writer_and_bad_measure_refused(tmp_path):
   with pytest.raises(ValueError, match=r"\['point_id'\]"):
     sweep.run_sweep(POINTS, lambda p: {"point_id": "x"}, out, progress=False)
   assert not out.exists() or out.read_text() == ""
+
+
+def test_paired_decode_seconds_uses_one_method_for_both_sides():
+  """Both sides of a ratio by the loop fit only where both fit (enough prompts, iteration counts that
+  spread, fixed cost >= 0); else both by the prefill subtracted: never a fit over a subtraction."""
+  def side(iterations, fixed, per_iteration, tokens_per_iteration, prefill=0.5):
+    outs = [SimpleNamespace(target_calls=n) for n in iterations]
+    seconds = [fixed + per_iteration * n for n in iterations]
+    return seconds, outs, int(sum(iterations) * tokens_per_iteration) + len(outs), lambda: prefill
+
+  spread = list(range(10, 30, 2))  # 10 prompts
+  # Both fit: each side's per-token cost is its line's slope over its tokens per iteration.
+  (base, base_how), (spec, spec_how) = speculative_sweep.paired_decode_seconds(
+      side(spread, 0.3, 0.04, 1), side(spread, 0.6, 0.1, 2.5))
+  assert base_how["method"] == spec_how["method"] == "fit over prompts"
+  assert base == pytest.approx(0.04) and spec == pytest.approx(0.1 / 2.5)
+  assert spec_how["fixed_ms_per_prompt"] == pytest.approx(600)
+  # One side with 4 prompts: both subtract their prefill, though the other could be fitted.
+  few = side(spread[:4], 0.6, 0.1, 2.5)
+  results = speculative_sweep.paired_decode_seconds(side(spread, 0.3, 0.04, 1), few)
+  assert [how["method"] for _, how in results] == ["prefill subtracted"] * 2
+  decoded = few[2] - 4
+  assert results[1][0] == pytest.approx((sum(few[0]) - 4 * 0.5) / decoded)
+  # A fit whose fixed cost comes out negative is refused for both.
+  results = speculative_sweep.paired_decode_seconds(side(spread, 0.3, 0.04, 1),
+                                                    side(spread, -0.2, 0.1, 2.5))
+  assert [how["method"] for _, how in results] == ["prefill subtracted"] * 2
