@@ -403,7 +403,8 @@ class T5Model:
   def decode_step(self, params, context: T5Context, tokens, positions, cache):
     """tokens[B, T] at positions[B, T] -> (logits[B, T, V] float32, cache with lengths
     positions[:, -1] + 1). Any T: prefill, one draft token, or a verification chunk."""
-    return self.feature_step(params, context, tokens, positions, cache)[::2]
+    logits, _, cache = self.feature_step(params, context, tokens, positions, cache)
+    return logits, cache  # the unused hidden states cost nothing: XLA drops them
 
   def feature_step(self, params, context: T5Context, tokens, positions, cache, slots=None,
                    visible=None):
