@@ -1,4 +1,6 @@
-"""Token-tree verification (specjax/trees.py): tree attention, losslessness, a numpy replay.
+"""Token-tree verification (specjax/trees.py): tree attention, losslessness, a numpy replay; for
+decoder-only and T5 targets (the tree loop's law on an encoder-decoder table model:
+tests/test_t5_decoding.py).
 
 Oracles: a node's logits are those of its path run as a chain through the same model; temperature 0
 reproduces the target's own greedy decode token for token; sampled outputs follow the exact law of
