@@ -232,6 +232,11 @@ def read_heads(directory) -> tuple[dict, np.ndarray | None, dict]:
 def check_target(meta: dict, target_config, target_params, where="these heads",
                  command: str = TRAIN_COMMAND) -> None:
   """Refuse a target the heads were not trained for, naming the fix."""
+  if hasattr(target_config, "num_encoder_layers"):  # a T5Config
+    raise ValueError(f"{where} read a decoder-only target's hidden states, and heads are trained for "
+                     "decoder-only targets only (python -m specjax.train_heads); for a T5 target "
+                     "build the tree from a chain drafter's top-k instead, e.g. "
+                     "model:out/t5_gettext/draft_large/hf (configs/t5_gettext/trees.gin)")
   if (meta["vocab_size"], meta["embed_dim"]) != (target_config.vocab_size, target_config.embed_dim):
     raise ValueError(f"{where} were trained for a target with vocabulary {meta['vocab_size']} and "
                      f"width {meta['embed_dim']}; this target has {target_config.vocab_size} and "

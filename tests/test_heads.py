@@ -12,9 +12,9 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import random_decoder_params
+from conftest import random_decoder_params, random_t5_params
 from specjax import autoregressive, heads, mtp, teacher, train_heads, training, trees
-from specjax.models import decoder_only
+from specjax.models import decoder_only, t5
 
 TARGET = decoder_only.SIZES["tiny"]  # vocab 128, width 64
 HEADS = train_heads.HeadsSpec(num_heads=3, head_size=40, top_width=4, prefill_tokens=256,
@@ -175,6 +175,9 @@ def test_heads_refuse_a_target_they_were_not_trained_for(tmp_path):
   wider = dataclasses.replace(TARGET, vocab_size=256)
   with pytest.raises(ValueError, match="vocabulary 128 and width 64"):
     heads.load_heads(tmp_path / "heads", wider, random_decoder_params(wider, seed=0))
+  t5_config = t5.SIZES["tiny"]  # an encoder-decoder target: no heads exist for it
+  with pytest.raises(ValueError, match="decoder-only targets only.*chain drafter's top-k"):
+    heads.load_heads(tmp_path / "heads", t5_config, random_t5_params(t5_config))
   with pytest.raises(FileNotFoundError, match="train_heads"):
     heads.load_heads(tmp_path / "nothing", TARGET, target_params)
 
