@@ -113,12 +113,19 @@ class Bench:
     fn = self.programs.get(key, lambda: trees.make_tree_decode(
         self.target.model, drafter, trees.TreeConfig(tree, decode.max_new_tokens, decode.top_k,
                                                      tok.eos_id, tok.pad_id)))
-    # Each prompt gets its own key (folded with its length): with one key for all, every prompt saw
-    # the same uniforms, and one small first uniform drew SmolLM2's low-id EOS for all of them.
     run_one = lambda tokens, lengths, source: jax.block_until_ready(fn(
-        self.target.params, draft_params, tokens, lengths,
-        jax.random.fold_in(self.setup.rng, lengths[0]), temperature, decode.top_p, source))
+        self.target.params, draft_params, tokens, lengths, self.prompt_key(lengths, source),
+        temperature, decode.top_p, source))
     return self.programs.timed(key, task, run_one)
+
+  def prompt_key(self, lengths, source) -> jax.Array:
+    """Each prompt's own key: with one key for all, every prompt saw the same uniforms, and one small
+    first uniform drew SmolLM2's low-id EOS for all of them. Folded with the prompt's length and, for
+    an encoder-decoder target (whose decoder prompts all have length 1), its source's tokens."""
+    key = jax.random.fold_in(self.setup.rng, lengths[0])
+    if source is None:
+      return key
+    return jax.random.fold_in(key, int(np.asarray(source.tokens, np.int64).sum()) % (2 ** 31))
 
   def tree_prefill_seconds(self, task: str, name: str) -> float:
     """The target's prefill with hidden states plus the drafter's init, on the task's shape."""
