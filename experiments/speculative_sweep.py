@@ -2,10 +2,11 @@
 
 Every point (task x drafter x temperature x lenience x gamma) times the autoregressive baseline and the
 speculative run side by side in this process, on the same held-out prompts (batch 1 each, padded to
-one length per task) and the same seeds, and writes one JSONL row (schema: experiments/README.md):
-alpha, acceptance, tokens per target call, ms per emitted token of both, the speedup, c measured as
-draft step / target step on this hardware, Thm 3.8's prediction from the measured alpha and c, and,
-for greedy lossless points, whether the outputs equal the baseline's token for token.
+one length per task; each prompt its own random key, the same for both runs: `prompt_keys`), and
+writes one JSONL row (schema: experiments/README.md): alpha, acceptance, tokens per target call, ms
+per emitted token of both, the speedup, c measured as draft step / target step on this hardware, Thm
+3.8's prediction from the measured alpha and c, and, for greedy lossless points, whether the outputs
+equal the baseline's token for token.
 
 ms per token is end to end (prefill included) over the tokens each run emitted (EOS on), so greedy
 points compare identical token streams and sampled points compare per-token costs. Decode ms per token
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import zlib
+from typing import NamedTuple
 
 import gin
 import jax
@@ -93,20 +96,36 @@ class SweepSpec:
     return sorted(set(self.gammas) | (set(self.lenience_gammas) if lossy else set()))
 
 
-Prompt = tuple  # (prompt_tokens[1, P], prompt_lengths[1], source or None): one batch-1 decode
+class Prompt(NamedTuple):
+  """One batch-1 decode: prompt_tokens[1, P], prompt_lengths[1], the source (None for a decoder-only
+  target) and the prompt's own random key, which the baseline and every drafter's run of it share."""
+  tokens: jax.Array
+  lengths: jax.Array
+  source: object
+  key: jax.Array
 
 
-def heldout_prompts(target: loading.LoadedModel, task: str, count: int, style: str) -> list[Prompt]:
+def prompt_keys(rng: jax.Array, task: str, count: int) -> list[jax.Array]:
+  """One key per prompt of a task, folded from the sweep's seed with the task's name and the prompt's
+  index: with one key for all, every prompt drew from the same uniforms (their sampled acceptances
+  moved together, and one small first uniform drew SmolLM2's low-id EOS for every prompt at once)."""
+  task_key = jax.random.fold_in(rng, zlib.crc32(task.encode()) % (2 ** 31))
+  return [jax.random.fold_in(task_key, i) for i in range(count)]
+
+
+def heldout_prompts(target: loading.LoadedModel, task: str, count: int, style: str,
+                    rng: jax.Array) -> list[Prompt]:
   """The first `count` held-out prompts of a set as batch-1 inputs padded to one shared length (one
-  compiled program per task)."""
+  compiled program per task), each with its own key (`prompt_keys`)."""
   # A prompts file is a test set of its own: all of it counts (the named sets keep their split).
   split = "all" if task.endswith(".jsonl") else "heldout"
   heldout = data.load_prompt_set(task, split, limit=count, style=style)
   batch = target.batch(heldout.prompts, bucket=32, max_length=1024)
   rows = lambda array, i: None if array is None else jax.tree_util.tree_map(lambda x: x[i:i + 1],
                                                                             array)
-  return [(batch.prompt_tokens[i:i + 1], batch.prompt_lengths[i:i + 1], rows(batch.source, i))
-          for i in range(len(heldout))]
+  keys = prompt_keys(rng, task, len(heldout))
+  return [Prompt(batch.prompt_tokens[i:i + 1], batch.prompt_lengths[i:i + 1],
+                 rows(batch.source, i), keys[i]) for i in range(len(heldout))]
 
 
 @dataclasses.dataclass
@@ -128,9 +147,10 @@ class Setup:
     mesh = mesh if mesh is not None and mesh.size > 1 else None
     made = {name: drafters.make_drafter(name, target.config, target.params, sequences, mesh=mesh)
             for name in spec.drafters}
-    prompts = {task: heldout_prompts(target, task, spec.prompts_per_task, style)
+    rng = jax.random.PRNGKey(seed)
+    prompts = {task: heldout_prompts(target, task, spec.prompts_per_task, style, rng)
                for task in spec.tasks}
-    return cls(target, made, prompts, spec, decode, jax.random.PRNGKey(seed))
+    return cls(target, made, prompts, spec, decode, rng)
 
   def cache_length(self, prompt: Prompt) -> int:
     """Slots a probe's cache needs after `prompt`: room for the longest verification."""
@@ -161,7 +181,7 @@ class StepCosts:
     """ms of one jitted step on `width` tokens after the first task's first prompt: the median of 3
     medians of 9 (one median of 9 steps moved v by 0.2 between neighbouring gammas here, and a single
     median of 15 target steps read 0.99 ms where the baseline decoded at 0.6 ms/token)."""
-    tokens, lengths, source = self.probe_prompt
+    tokens, lengths, source, _ = self.probe_prompt
     state = jax.jit(drafter.init, static_argnums=3)(params, tokens, lengths,
                                                     self.setup.cache_length(self.probe_prompt),
                                                     source)
@@ -177,7 +197,7 @@ class StepCosts:
     key = (drafter_name, gamma)
     if key not in self._part_timers:
       setup, tok = self.setup, self.setup.target.tokenizer
-      tokens, lengths, source = self.probe_prompt
+      tokens, lengths, source, _ = self.probe_prompt
       config = speculative.SpecConfig(gamma, setup.decode.max_new_tokens, setup.decode.top_k,
                                       tok.eos_id, tok.pad_id)
       self._part_timers[key] = metrics.chain_cost_timer(
@@ -212,7 +232,7 @@ class Programs:
     if key not in self._prefill_s:
       drafter, draft_params = (None, None) if drafter_name is None else self.setup.drafters[
           drafter_name]
-      tokens, lengths, source = prompt = self.setup.prompts[task][0]
+      tokens, lengths, source, _ = prompt = self.setup.prompts[task][0]
       self._prefill_s[key] = metrics.prefill_seconds(
           self.setup.target.model, drafter, self.setup.target.params, draft_params,
           (tokens, lengths), self.setup.cache_length(prompt), 5, source)
@@ -224,8 +244,8 @@ class Programs:
     generate = self.get(("base", task), lambda: autoregressive.make_generate(
         setup.target.model, autoregressive.DecodeShape(decode.max_new_tokens, decode.top_k,
                                                        tok.eos_id, tok.pad_id)))
-    run_one = lambda tokens, lengths, source: jax.block_until_ready(generate(
-        setup.target.params, tokens, lengths, setup.rng, jnp.float32(temperature),
+    run_one = lambda tokens, lengths, source, key: jax.block_until_ready(generate(
+        setup.target.params, tokens, lengths, key, jnp.float32(temperature),
         jnp.float32(decode.top_p), source))
     return self.timed(("base", task), task, run_one)
 
@@ -236,13 +256,13 @@ class Programs:
     drafter, draft_params = setup.drafters[drafter_name]
     config = speculative.SpecConfig(gamma, decode.max_new_tokens, decode.top_k, tok.eos_id,
                                     tok.pad_id)
-    key = ("spec", task, drafter_name, gamma)
-    decode_fn = self.get(key, lambda: speculative.make_speculative_decode(setup.target.model,
+    program = ("spec", task, drafter_name, gamma)
+    decode_fn = self.get(program, lambda: speculative.make_speculative_decode(setup.target.model,
                                                                           drafter, config))
-    run_one = lambda tokens, lengths, source: jax.block_until_ready(decode_fn(
-        setup.target.params, draft_params, tokens, lengths, setup.rng, temperature, decode.top_p,
+    run_one = lambda tokens, lengths, source, key: jax.block_until_ready(decode_fn(
+        setup.target.params, draft_params, tokens, lengths, key, temperature, decode.top_p,
         lenience, source))
-    return self.timed(key, task, run_one)
+    return self.timed(program, task, run_one)
 
 
 def size_name(config) -> str:

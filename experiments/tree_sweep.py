@@ -30,8 +30,8 @@ from absl import logging
 
 from experiments import speculative_sweep, tables
 from experiments import sweep as resumable
-from specjax import (checkpoints, data, metrics, outputs, run, sampling, theory, tree_drafters,
-                     trees)
+from specjax import (checkpoints, data, metrics, outputs, run, sampling, theory,
+                     tree_drafters, trees)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +74,14 @@ class Bench:
     self.drafters = {name: tree_drafters.make_tree_drafter(name, target.config, target.params,
                                                            sequences)
                      for name in names}
-    prompts = {task: speculative_sweep.heldout_prompts(target, task, spec.prompts_per_task, style)
+    rng = jax.random.PRNGKey(seed)
+    prompts = {task: speculative_sweep.heldout_prompts(target, task, spec.prompts_per_task, style,
+                                                       rng)
                for task in spec.tasks}
     grid = speculative_sweep.SweepSpec(tasks=spec.tasks, drafters=("lookup",), gammas=(1,),
                                        prompts_per_task=spec.prompts_per_task,
                                        repeats=spec.repeats)
-    self.setup = speculative_sweep.Setup(target, {}, prompts, grid, decode,
-                                         jax.random.PRNGKey(seed))
+    self.setup = speculative_sweep.Setup(target, {}, prompts, grid, decode, rng)
     self.programs = speculative_sweep.Programs(self.setup)
     self.max_size = max(trees.Tree.from_name(t).size for t in spec.trees)
     self._part_timers, self._compiled, self._prefill = {}, {}, {}
@@ -109,30 +110,20 @@ class Bench:
   def tree_run(self, task: str, name: str, tree: trees.Tree, temperature: float):
     drafter, draft_params = self.drafters[name]
     tok, decode = self.target.tokenizer, self.decode
-    key = ("tree", task, name, tree.name)
-    fn = self.programs.get(key, lambda: trees.make_tree_decode(
+    program = ("tree", task, name, tree.name)
+    fn = self.programs.get(program, lambda: trees.make_tree_decode(
         self.target.model, drafter, trees.TreeConfig(tree, decode.max_new_tokens, decode.top_k,
                                                      tok.eos_id, tok.pad_id)))
-    run_one = lambda tokens, lengths, source: jax.block_until_ready(fn(
-        self.target.params, draft_params, tokens, lengths, self.prompt_key(lengths, source),
-        temperature, decode.top_p, source))
-    return self.programs.timed(key, task, run_one)
-
-  def prompt_key(self, lengths, source) -> jax.Array:
-    """Each prompt's own key: with one key for all, every prompt saw the same uniforms, and one small
-    first uniform drew SmolLM2's low-id EOS for all of them. Folded with the prompt's length and, for
-    an encoder-decoder target (whose decoder prompts all have length 1), its source's tokens."""
-    key = jax.random.fold_in(self.setup.rng, lengths[0])
-    if source is None:
-      return key
-    return jax.random.fold_in(key, int(np.asarray(source.tokens, np.int64).sum()) % (2 ** 31))
+    run_one = lambda tokens, lengths, source, key: jax.block_until_ready(fn(
+        self.target.params, draft_params, tokens, lengths, key, temperature, decode.top_p, source))
+    return self.programs.timed(program, task, run_one)
 
   def tree_prefill_seconds(self, task: str, name: str) -> float:
     """The target's prefill with hidden states plus the drafter's init, on the task's shape."""
     key = (task, name)
     if key not in self._prefill:
       drafter, draft_params = self.drafters[name]
-      tokens, lengths, source = prompt = self.setup.prompts[task][0]
+      tokens, lengths, source, _ = prompt = self.setup.prompts[task][0]
       length = self.cache_length(prompt)
       model = self.target.model
 

@@ -483,3 +483,16 @@ def test_paired_decode_seconds_uses_one_method_for_both_sides():
   results = speculative_sweep.paired_decode_seconds(side(spread, 0.3, 0.04, 1),
                                                     side(spread, -0.2, 0.1, 2.5))
   assert [how["method"] for _, how in results] == ["prefill subtracted"] * 2
+
+
+def test_every_prompt_of_a_sweep_gets_its_own_key():
+  """Sampled points draw each prompt's randomness from its own key (one key for all moved every
+  prompt's acceptances together), the same on every call (a rerun resumes on the same draws)."""
+  import jax
+  import numpy as np
+  rng = jax.random.PRNGKey(0)
+  keys = [tuple(np.asarray(k).tolist()) for task in ("humaneval", "news")
+          for k in speculative_sweep.prompt_keys(rng, task, 8)]
+  assert len(set(keys)) == 16
+  again = [tuple(np.asarray(k).tolist()) for k in speculative_sweep.prompt_keys(rng, "news", 8)]
+  assert again == keys[8:]
