@@ -30,7 +30,7 @@ from absl import logging
 
 from experiments import speculative_sweep, tables
 from experiments import sweep as resumable
-from specjax import (checkpoints, data, metrics, outputs, run, sampling, theory,
+from specjax import (checkpoints, data, heads, metrics, outputs, run, sampling, theory,
                      tree_drafters, trees)
 
 
@@ -242,6 +242,9 @@ def sweep(output_dir: str = "out/smollm2_trees", target: run.ModelSpec = run.Mod
                   d: checkpoints.content_key(tree_drafters.feature_directory(d))
                   for d in grid.drafters if tree_drafters.feature_directory(d) is not None}}}
   loaded, _ = run.load_target(target, (1, 1))
+  if loaded.encoder_decoder:  # refused before the run directory is made, not at the first point
+    for name in filter(tree_drafters.feature_directory, grid.drafters):
+      heads.check_target({}, loaded.config, loaded.params, where=f"the drafter {name!r}")
   bench = []
 
   def measure(point):

@@ -172,3 +172,23 @@ def test_t5_tree_sweep_end_to_end(t5_dirs, tmp_path):
     assert 1.0 <= row["tokens_per_target_call"] <= 3.0 and row["predicted_speedup"] > 0
     assert min(row["cost_draft"], row["cost_verify"], row["cost_accept"]) > 0
   assert "chain draft (top-k)" in (tmp_path / "trees" / "trees.md").read_text()
+
+
+def test_t5_tree_sweep_refuses_heads_before_writing(t5_dirs, tmp_path):
+  """Heads and the MTP head read a decoder-only target's hidden states: a T5 tree sweep naming them is
+  refused with the fix (a chain drafter's top-k) before its run directory exists."""
+  hf_dir, _, _, prompts, _ = t5_dirs
+  heads_dir = tmp_path / "heads"
+  heads_dir.mkdir()
+  (heads_dir / "heads.json").write_text("{}")
+  gin.clear_config()
+  run.parse_gin([str(pathlib.Path(__file__).parent.parent / "configs" / "t5_gettext" / "trees.gin")], [
+      f"tree_sweep.sweep.output_dir = '{tmp_path / 'trees'}'",
+      f"run.ModelSpec.checkpoint = '{hf_dir}'", f"tree_sweep.TreeSweepSpec.tasks = ('{prompts}',)",
+      f"tree_sweep.TreeSweepSpec.drafters = ('lookup', 'lookup+mtp:{heads_dir}')"])
+  try:
+    with pytest.raises(ValueError, match="decoder-only targets only.*chain drafter's top-k"):
+      gin.get_configurable(run.main)()
+  finally:
+    gin.clear_config()
+  assert not (tmp_path / "trees").exists()
