@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import functools
 
 from specjax import autoregressive, data, loading
-from specjax.metrics import median_seconds, ms_per_token, prefill_seconds, time_passes
+from specjax.timing import median_seconds, ms_per_token, prefill_seconds, time_passes
 
 
 def memory_bandwidth_gbps(megabytes: int = 512, repeats: int = 7) -> float:

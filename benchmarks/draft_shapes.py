@@ -65,8 +65,8 @@ import numpy as np
 import common
 from common import fresh_state
 from specjax import contracts, drafters, loading, sampling, theory
-from specjax.metrics import draft_step, median_seconds, one_token, step_seconds
-from specjax.metrics import target_step as metrics_target_step
+from specjax.timing import draft_step, median_seconds, one_token, step_seconds
+from specjax.timing import target_step as timed_target_step
 from specjax.models import decoder_only
 
 WIDTHS = (1, 2, 3, 5, 9)  # target scoring T tokens = verifying gamma = T - 1 drafts
@@ -193,7 +193,7 @@ def main():
 
   # The target scoring T tokens: the c denominator (T = 1) and the verification cost v.
   prefilled = fresh_state(target, params, prompt, max_length)
-  scoring = metrics_target_step(loaded.model)
+  scoring = timed_target_step(loaded.model)
   target_ms = {w: rounds_ms(scoring, params, prefilled, *one_token(prompt, w), args)
                for w in WIDTHS}
   print("target ms by T:", {w: round(ms, 1) for w, ms in target_ms.items()}, flush=True)
@@ -268,7 +268,7 @@ def measure_bf16(config, params, target_step, prompt, max_length, target_ms, arg
       init = functools.partial(decoder_only.init_cache, config, dtype=cache_dtype)
       model = contracts.StepModel(target_step, init)
       prefilled = fresh_state(drafters.ModelDrafter(model), weights, prompt, max_length)
-      scoring = metrics_target_step(model)
+      scoring = timed_target_step(model)
       for w in (1, 2):
         # One round: at 5-10x float32's step time these are not near the noise.
         ms = 1000 * step_seconds(scoring, weights, copy_tree(prefilled), *one_token(prompt, w),

@@ -16,7 +16,7 @@ the same method); the prefill, timed apart, is subtracted instead where there ar
 ran about as many iterations, or a fit's fixed cost comes out negative. The target's
 cost of scoring gamma + 1 tokens, v_gamma in one-token steps, is measured once per sweep, and each row
 also carries Thm 3.8 with v_gamma in place of 1 (theory.speedup_with_verify_cost), and the prediction
-from one loop iteration's measured parts, draft + verify + accept (metrics.chain_cost_timer, timed
+from one loop iteration's measured parts, draft + verify + accept (timing.chain_cost_timer, timed
 in turn with the baseline and speculative passes of the point, `repeats` times), in the baseline's
 decode time per token (theory.speedup_from_costs).
 
@@ -43,7 +43,7 @@ from absl import logging
 from experiments import plots, tables
 from experiments import sweep as resumable
 from specjax import (autoregressive, data, drafters, loading, metrics, outputs, run, speculative,
-                     theory)
+                     theory, timing)
 from specjax.drafters import ModelDrafter
 from specjax.models import decoder_only, t5
 
@@ -164,12 +164,12 @@ class StepCosts:
   def __init__(self, setup: Setup):
     self.setup = setup
     self.probe_prompt = next(iter(setup.prompts.values()))[0]
-    self.target_fn = metrics.target_step(setup.target.model)
+    self.target_fn = timing.target_step(setup.target.model)
     self.target_probe = ModelDrafter(setup.target.model)  # only for its prefilled cache and context
     self._part_timers = {}
     self.step_ms = {"target": self._timed(self.target_fn, self.target_probe, setup.target.params, 1)}
     for name, (drafter, draft_params) in setup.drafters.items():
-      self.step_ms[name] = self._timed(metrics.draft_step(drafter), drafter, draft_params, 1)
+      self.step_ms[name] = self._timed(timing.draft_step(drafter), drafter, draft_params, 1)
     logging.info("step ms: %s", {k: round(v, 2) for k, v in self.step_ms.items()})
     self.verify_cost = {
         gamma: self._timed(self.target_fn, self.target_probe, setup.target.params, gamma + 1)
@@ -185,14 +185,14 @@ class StepCosts:
     state = jax.jit(drafter.init, static_argnums=3)(params, tokens, lengths,
                                                     self.setup.cache_length(self.probe_prompt),
                                                     source)
-    return 1000 * metrics.step_seconds(step_fn, params, state,
-                                       *metrics.one_token((tokens, lengths), width), 9, rounds=3)
+    return 1000 * timing.step_seconds(step_fn, params, state,
+                                       *timing.one_token((tokens, lengths), width), 9, rounds=3)
 
   def c(self, drafter_name: str) -> float:
     return self.step_ms[drafter_name] / self.step_ms["target"]
 
   def part_timer(self, drafter_name: str, gamma: int):
-    """metrics.chain_cost_timer for (drafter, gamma), built once: measure_point times one loop
+    """timing.chain_cost_timer for (drafter, gamma), built once: measure_point times one loop
     iteration's draft / verify / accept parts with it beside every pass it times."""
     key = (drafter_name, gamma)
     if key not in self._part_timers:
@@ -200,7 +200,7 @@ class StepCosts:
       tokens, lengths, source, _ = self.probe_prompt
       config = speculative.SpecConfig(gamma, setup.decode.max_new_tokens, setup.decode.top_k,
                                       tok.eos_id, tok.pad_id)
-      self._part_timers[key] = metrics.chain_cost_timer(
+      self._part_timers[key] = timing.chain_cost_timer(
           setup.target.model, setup.target.params, *setup.drafters[drafter_name], config,
           (tokens, lengths), source)
     return self._part_timers[key]
@@ -223,7 +223,7 @@ class Programs:
     """(seconds per prompt, tokens emitted, outputs) of one pass over the task's prompts."""
     warmup = 0 if key in self._warm else 1
     self._warm.add(key)
-    seconds, outs = metrics.time_prompts(run_one, self.setup.prompts[task], 1, warmup)
+    seconds, outs = timing.time_prompts(run_one, self.setup.prompts[task], 1, warmup)
     return seconds, sum(int(np.asarray(o.num_generated).sum()) for o in outs), outs
 
   def prefill_seconds(self, task: str, drafter_name: str | None) -> float:
@@ -233,7 +233,7 @@ class Programs:
       drafter, draft_params = (None, None) if drafter_name is None else self.setup.drafters[
           drafter_name]
       tokens, lengths, source, _ = prompt = self.setup.prompts[task][0]
-      self._prefill_s[key] = metrics.prefill_seconds(
+      self._prefill_s[key] = timing.prefill_seconds(
           self.setup.target.model, drafter, self.setup.target.params, draft_params,
           (tokens, lengths), self.setup.cache_length(prompt), 5, source)
     return self._prefill_s[key]
@@ -280,13 +280,13 @@ MIN_FIT_PROMPTS = 8
 def paired_decode_seconds(*sides) -> list[tuple[float, dict]]:
   """Seconds per decoded token (after each prompt's first, which the prefill gives) and how it was
   found, for each side of a ratio: sides are (seconds per prompt, outputs, tokens, prefill_seconds())
-  and all get ONE method. The loop's cost per iteration fitted over the prompts (metrics.loop_seconds)
+  and all get ONE method. The loop's cost per iteration fitted over the prompts (timing.loop_seconds)
   where every side has MIN_FIT_PROMPTS prompts whose iteration counts spread and a fitted fixed cost
   >= 0; else each total less its prefill (timed apart). A ratio of a fit and a subtraction misled: 4
   prompts of one pass fitted fixed costs of -616 to 1,119 ms per prompt where the prefill took 264
   ms, and put the SmolLM2 tree sweep's greedy decode speedups at 1.4-1.9x against end-to-end
   speedups of 0.9-1.5x."""
-  fits = [metrics.loop_seconds(seconds, [int(np.asarray(o.target_calls)) for o in outs])
+  fits = [timing.loop_seconds(seconds, [int(np.asarray(o.target_calls)) for o in outs])
           if len(outs) >= MIN_FIT_PROMPTS else None for seconds, outs, _, _ in sides]
   by_fit = all(fit is not None and fit[1] >= 0 for fit in fits)
   results = []

@@ -30,7 +30,7 @@ from absl import logging
 
 from experiments import speculative_sweep, tables
 from experiments import sweep as resumable
-from specjax import (checkpoints, data, heads, metrics, outputs, run, sampling, theory,
+from specjax import (checkpoints, data, heads, metrics, outputs, run, sampling, theory, timing,
                      tree_drafters, trees)
 
 
@@ -87,22 +87,22 @@ class Bench:
     self._part_timers, self._compiled, self._prefill = {}, {}, {}
     probe = next(iter(prompts.values()))[0]
     self.probe, self.probe_source = probe[:2], probe[2]
-    self.target_ms = 1000 * metrics.step_seconds(
-        metrics.target_step(target.model), target.params,
+    self.target_ms = 1000 * timing.step_seconds(
+        timing.target_step(target.model), target.params,
         jax.jit(speculative_sweep.ModelDrafter(target.model).init, static_argnums=3)(
             target.params, *self.probe, self.cache_length(probe), self.probe_source),
-        *metrics.one_token(self.probe), 15)
+        *timing.one_token(self.probe), 15)
 
   def cache_length(self, prompt) -> int:
     return prompt[0].shape[1] + self.decode.max_new_tokens + self.max_size
 
   def part_timer(self, name: str, tree: trees.Tree):
-    """metrics.tree_cost_timer for (drafter, tree), built once: measure_point times the iteration's
+    """timing.tree_cost_timer for (drafter, tree), built once: measure_point times the iteration's
     parts with it beside every pass it times."""
     key = (name, tree.name)
     if key not in self._part_timers:
       drafter, params = self.drafters[name]
-      self._part_timers[key] = metrics.tree_cost_timer(
+      self._part_timers[key] = timing.tree_cost_timer(
           self.target.model, self.target.params, drafter, params, tree, self.probe,
           self.cache_length(self.probe), source=self.probe_source)
     return self._part_timers[key]
@@ -135,7 +135,7 @@ class Bench:
 
       inputs = (self.target.params, draft_params, tokens, lengths, source)
       compiled = jax.jit(prefill).lower(*inputs).compile()
-      self._prefill[key] = metrics.median_seconds(
+      self._prefill[key] = timing.median_seconds(
           lambda: jax.block_until_ready(compiled(*inputs)), 5)[0]
     return self._prefill[key]
 

@@ -12,7 +12,7 @@ from scipy import stats
 
 from conftest import (BigramDrafter, assert_follows_laws, bigram_from_step, bigram_marginals,
                       bigram_model, random_decoder_params)
-from specjax import autoregressive, drafters, metrics, sampling, speculative, theory
+from specjax import autoregressive, drafters, metrics, sampling, speculative, theory, timing
 from specjax.contracts import StepModel
 from specjax.models import decoder_only
 
@@ -422,11 +422,11 @@ def test_greedy_equals_target_greedy_on_smollm2(smollm2):
 def test_loop_seconds_separates_the_per_prompt_cost_from_the_loop():
   iterations = [3, 10, 7, 25, 14]
   seconds = [0.004 + 0.0006 * n for n in iterations]
-  per_iteration, fixed = metrics.loop_seconds(seconds, iterations)
+  per_iteration, fixed = timing.loop_seconds(seconds, iterations)
   assert per_iteration == pytest.approx(0.0006) and fixed == pytest.approx(0.004)
   # Every prompt ran the same number of iterations: the two parts cannot be told apart.
-  assert metrics.loop_seconds([0.01, 0.011, 0.012], [47, 47, 48]) is None
-  assert metrics.loop_seconds([0.01, 0.02], [3, 20]) is None  # two prompts fit any line
+  assert timing.loop_seconds([0.01, 0.011, 0.012], [47, 47, 48]) is None
+  assert timing.loop_seconds([0.01, 0.02], [3, 20]) is None  # two prompts fit any line
 
 
 def test_chain_step_costs_times_each_part_of_the_real_loop_body():
@@ -435,12 +435,12 @@ def test_chain_step_costs_times_each_part_of_the_real_loop_body():
   drafter, draft_params = _greedy_drafter("random model", step, init_cache, target_params)
   config = speculative.SpecConfig(gamma=3, max_new_tokens=12)
   probe = (prompt_tokens[:1], prompt_lengths[:1])
-  costs = metrics.chain_step_costs(StepModel(step, init_cache), target_params, drafter, draft_params,
+  costs = timing.chain_step_costs(StepModel(step, init_cache), target_params, drafter, draft_params,
                                    config, probe, 2, (0.0, 1.0))
   assert sorted(costs) == [0.0, 1.0]
   for parts in costs.values():
     assert sorted(parts) == ["accept", "draft", "verify"]
     assert all(np.isfinite(ms) and ms > 0 for ms in parts.values())
-  only = metrics.chain_step_costs(StepModel(step, init_cache), target_params, drafter, draft_params,
+  only = timing.chain_step_costs(StepModel(step, init_cache), target_params, drafter, draft_params,
                                   config, probe, 2, (1.0,), parts=("draft",))
   assert list(only) == [1.0] and list(only[1.0]) == ["draft"]
