@@ -281,8 +281,9 @@ def paired_decode_seconds(*sides) -> list[tuple[float, dict]]:
   """Seconds per decoded token (after each prompt's first, which the prefill gives) and how it was
   found, for each side of a ratio: sides are (seconds per prompt, outputs, tokens, prefill_seconds())
   and all get ONE method. The loop's cost per iteration fitted over the prompts (timing.loop_seconds)
-  where every side has MIN_FIT_PROMPTS prompts whose iteration counts spread and a fitted fixed cost
-  >= 0; else each total less its prefill (timed apart). A ratio of a fit and a subtraction misled: 4
+  where every side has MIN_FIT_PROMPTS prompts whose iteration counts spread, a fitted fixed cost
+  >= 0 and a per-iteration cost the fit pins down (see loop_seconds); else each total less its
+  prefill (timed apart). A ratio of a fit and a subtraction misled: 4
   prompts of one pass fitted fixed costs of -616 to 1,119 ms per prompt where the prefill took 264
   ms, and put the SmolLM2 tree sweep's greedy decode speedups at 1.4-1.9x against end-to-end
   speedups of 0.9-1.5x."""

@@ -427,6 +427,13 @@ def test_loop_seconds_separates_the_per_prompt_cost_from_the_loop():
   # Every prompt ran the same number of iterations: the two parts cannot be told apart.
   assert timing.loop_seconds([0.01, 0.011, 0.012], [47, 47, 48]) is None
   assert timing.loop_seconds([0.01, 0.02], [3, 20]) is None  # two prompts fit any line
+  # Noise of 17 iterations' cost on prompts 3-25 iterations long: no per-iteration figure is read
+  # off it (the fit's standard error is 0.4 of the slope).
+  noise = np.random.RandomState(0).normal(0, 0.01, len(iterations))
+  assert timing.loop_seconds(np.asarray(seconds) + noise, iterations) is None
+  # Noise a twentieth of that still gives the loop's cost.
+  per_iteration, _ = timing.loop_seconds(np.asarray(seconds) + noise / 20, iterations)
+  assert per_iteration == pytest.approx(0.0006, rel=0.25)
 
 
 def test_chain_step_costs_times_each_part_of_the_real_loop_body():
