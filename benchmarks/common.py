@@ -1,5 +1,5 @@
 """Shared benchmark plumbing: held-out prompts, fresh drafter states, bandwidth probe, result files.
-Timing itself lives in specjax.metrics (median_seconds, step_seconds, ...)."""
+Timing itself lives in specjax.timing (median_seconds, step_seconds, ...)."""
 
 from __future__ import annotations
 

@@ -45,8 +45,9 @@ from tqdm import tqdm
 
 import common
 from specjax import data, drafters, loading, speculative, theory
+from specjax.metrics import summarize_outputs
 from specjax.timing import (draft_step, ms_per_token, one_token, prefill_seconds, step_seconds,
-                             summarize_outputs, target_step, time_passes)
+                            target_step, time_passes)
 
 
 def parse_args():
