@@ -13,7 +13,8 @@ points compare identical token streams and sampled points compare per-token cost
 leaves out what each prompt pays once (Thm 3.8 models decoding only): every prompt is timed, and the
 loop's cost per iteration is fitted over the prompts (`paired_decode_seconds`, both sides of a ratio by
 the same method); the prefill, timed apart, is subtracted instead where there are few prompts, all
-ran about as many iterations, or a fit's fixed cost comes out negative. The target's
+ran about as many iterations, a fit's fixed cost comes out negative or its per-iteration cost is
+uncertain (timing.loop_seconds). The target's
 cost of scoring gamma + 1 tokens, v_gamma in one-token steps, is measured once per sweep, and each row
 also carries Thm 3.8 with v_gamma in place of 1 (theory.speedup_with_verify_cost), and the prediction
 from one loop iteration's measured parts, draft + verify + accept (timing.chain_cost_timer, timed

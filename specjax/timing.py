@@ -209,15 +209,6 @@ def varying(step: jax.Array, value):
   return jax.tree_util.tree_map(lambda x: jnp.where(step < 0, x + 1, x), value)
 
 
-def tree_step_costs(model: contracts.Model, params, drafter, draft_params, tree, prompt,
-                    max_length: int, repeats: int, parts=("draft", "verify", "accept"),
-                    temperature: float = 0.0, source=None) -> dict:
-  """ms of one tree iteration's `parts` at batch 1 after `prompt`, each the median of 3 medians of
-  `repeats` (`tree_cost_timer`; single medians of a 40 ms step moved by 20 % here)."""
-  return tree_cost_timer(model, params, drafter, draft_params, tree, prompt, max_length, parts,
-                         source)(temperature, repeats, rounds=3)
-
-
 def tree_cost_timer(model: contracts.Model, params, drafter, draft_params, tree, prompt,
                     max_length: int, parts=("draft", "verify", "accept"), source=None):
   """time_parts(temperature, repeats, rounds) -> {part: ms} of one tree iteration's `parts` at batch 1

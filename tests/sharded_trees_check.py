@@ -56,8 +56,10 @@ def main():
       target_shardings = models.param_shardings(target, mesh)
       placed_target = sharding.place(target_params, target_shardings)
       placed_draft = sharding.place(draft_params, models.param_shardings(draft, mesh))
-      leaves = jax.tree_util.tree_leaves(placed_target)
-      assert max(len(leaf.sharding.device_set) for leaf in leaves) == 8
+      for placed in (placed_target, placed_draft):  # both models really spread over the one mesh
+        leaves = jax.tree_util.tree_leaves(placed)
+        assert max(len(leaf.sharding.device_set) for leaf in leaves) == 8
+        assert all(leaf.sharding.mesh == mesh for leaf in leaves)
       fn = trees.make_tree_decode(
           module.model(target, mesh),
           tree_drafters.ChainTopK(drafters.ModelDrafter(module.model(draft, mesh))), CONFIG)

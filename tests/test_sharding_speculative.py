@@ -13,7 +13,7 @@ def test_sharded_speculative_decoding_equals_unsharded():
   assert stdout.count("same tokens") == 6, stdout
 
 
-@pytest.mark.slow  # four compilations of the tree loop per family over 8 host devices
+@pytest.mark.slow  # three compilations of the tree loop per family (unsharded, 2 meshes)
 def test_sharded_tree_decoding_equals_unsharded():
   """Token trees from a model draft's top-k, both families, target and draft on one mesh."""
   stdout = run_check_on_8_devices("sharded_trees_check.py")
