@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -483,13 +484,19 @@ def test_paired_decode_seconds_uses_one_method_for_both_sides():
   results = speculative_sweep.paired_decode_seconds(side(spread, 0.3, 0.04, 1),
                                                     side(spread, -0.2, 0.1, 2.5))
   assert [how["method"] for _, how in results] == ["prefill subtracted"] * 2
+  # A fit whose per-iteration cost is lost in noise (timing.loop_seconds) is refused for both: here
+  # its slope comes out positive and its fixed cost >= 0, but its standard error is over a quarter.
+  seconds, outs, tokens, prefill = side(spread, 0.6, 0.1, 2.5)
+  noisy = (np.asarray(seconds) + np.random.RandomState(0).normal(0, 0.5, len(seconds)), outs, tokens,
+           prefill)
+  results = speculative_sweep.paired_decode_seconds(side(spread, 0.3, 0.04, 1), noisy)
+  assert [how["method"] for _, how in results] == ["prefill subtracted"] * 2
 
 
 def test_every_prompt_of_a_sweep_gets_its_own_key():
   """Sampled points draw each prompt's randomness from its own key (one key for all moved every
   prompt's acceptances together), the same on every call (a rerun resumes on the same draws)."""
   import jax
-  import numpy as np
   rng = jax.random.PRNGKey(0)
   keys = [tuple(np.asarray(k).tolist()) for task in ("humaneval", "news")
           for k in speculative_sweep.prompt_keys(rng, task, 8)]
