@@ -137,7 +137,6 @@ class Setup:
   prompts: dict[str, list[Prompt]]
   spec: SweepSpec
   decode: run.DecodeSpec
-  rng: jax.Array
 
   @classmethod
   def build(cls, target: loading.LoadedModel, spec: SweepSpec, decode: run.DecodeSpec, seed: int,
@@ -148,10 +147,10 @@ class Setup:
     mesh = mesh if mesh is not None and mesh.size > 1 else None
     made = {name: drafters.make_drafter(name, target.config, target.params, sequences, mesh=mesh)
             for name in spec.drafters}
-    rng = jax.random.PRNGKey(seed)
-    prompts = {task: heldout_prompts(target, task, spec.prompts_per_task, style, rng)
+    prompts = {task: heldout_prompts(target, task, spec.prompts_per_task, style,
+                                     jax.random.PRNGKey(seed))
                for task in spec.tasks}
-    return cls(target, made, prompts, spec, decode, rng)
+    return cls(target, made, prompts, spec, decode)
 
   def cache_length(self, prompt: Prompt) -> int:
     """Slots a probe's cache needs after `prompt`: room for the longest verification."""

@@ -74,14 +74,13 @@ class Bench:
     self.drafters = {name: tree_drafters.make_tree_drafter(name, target.config, target.params,
                                                            sequences)
                      for name in names}
-    rng = jax.random.PRNGKey(seed)
     prompts = {task: speculative_sweep.heldout_prompts(target, task, spec.prompts_per_task, style,
-                                                       rng)
+                                                       jax.random.PRNGKey(seed))
                for task in spec.tasks}
     grid = speculative_sweep.SweepSpec(tasks=spec.tasks, drafters=("lookup",), gammas=(1,),
                                        prompts_per_task=spec.prompts_per_task,
                                        repeats=spec.repeats)
-    self.setup = speculative_sweep.Setup(target, {}, prompts, grid, decode, rng)
+    self.setup = speculative_sweep.Setup(target, {}, prompts, grid, decode)
     self.programs = speculative_sweep.Programs(self.setup)
     self.max_size = max(trees.Tree.from_name(t).size for t in spec.trees)
     self._part_timers, self._compiled, self._prefill = {}, {}, {}
