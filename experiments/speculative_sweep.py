@@ -276,6 +276,12 @@ def size_name(config) -> str:
 # Prompts a side needs before its loop cost is fitted rather than its prefill subtracted.
 MIN_FIT_PROMPTS = 8
 
+# How a row is drawn and timed, in every sweep's spec (so in its fingerprint): a directory whose rows
+# were measured another way is refused rather than resumed into one table with new rows. Change it
+# whenever a change to the keys or the timing would make old and new rows disagree.
+MEASUREMENT = ("each prompt its own key; baseline, decode and parts timed in turn; both sides of a "
+               "speedup by one method; loop fits refused beyond a standard error of 1/4")
+
 
 def paired_decode_seconds(*sides) -> list[tuple[float, dict]]:
   """Seconds per decoded token (after each prompt's first, which the prefill gives) and how it was
@@ -384,7 +390,7 @@ def sweep(output_dir: str = "out/smollm2_default", target: run.ModelSpec = run.M
   points = grid.points()  # validates the grid before anything is loaded or written
   spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),
           "decode": dataclasses.asdict(decode), "mesh_shape": list(mesh_shape), "seed": seed,
-          "sweep": dataclasses.asdict(grid),
+          "sweep": dataclasses.asdict(grid), "measurement": MEASUREMENT,
           "content_keys": run.content_keys(target, grid.drafters)}
   loaded, mesh = run.load_target(target, mesh_shape)
   bench = []  # built on the first point to measure, so a rerun of a finished sweep costs nothing

@@ -236,6 +236,7 @@ def sweep(output_dir: str = "out/smollm2_trees", target: run.ModelSpec = run.Mod
   points = grid.points()
   spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),
           "decode": dataclasses.asdict(decode), "seed": seed, "sweep": dataclasses.asdict(grid),
+          "measurement": speculative_sweep.MEASUREMENT,
           "content_keys": {**run.content_keys(target, tuple(
               d for d in grid.drafters if tree_drafters.feature_directory(d) is None)), **{
                   d: checkpoints.content_key(tree_drafters.feature_directory(d))

@@ -125,6 +125,11 @@ def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
   field = prefix[:-1]
   if field.startswith("content_keys."):
     return [f"the weights of {field[len('content_keys.'):]!r} changed (content key {old} -> {new})"]
+  if field == "measurement":  # a sweep's method of drawing and timing rows (speculative_sweep)
+    earlier = "an earlier method" if old is None else json.dumps(old)
+    return [f"measurement: the rows were drawn or timed by {earlier}, this code measures by "
+            f"{json.dumps(new)}; their rows and new ones would not compare, so rerun the sweep into "
+            "another output_dir"]
   return [f"{field}: {json.dumps(old)} -> {json.dumps(new)}"]
 
 

@@ -503,3 +503,41 @@ def test_every_prompt_of_a_sweep_gets_its_own_key():
   assert len(set(keys)) == 16
   again = [tuple(np.asarray(k).tolist()) for k in speculative_sweep.prompt_keys(rng, "news", 8)]
   assert again == keys[8:]
+
+
+def test_sampled_runs_of_both_sweeps_draw_from_each_prompt_s_key(monkeypatch):
+  """The baseline, chain and tree runs of a prompt draw from that prompt's key: three copies of one
+  prompt with keys (k0, k1, k0) sample the first and third alike and the second differently, on every
+  side. A run that ignored the key would give three equal outputs. A tiny random decoder over 128
+  tokens sampled at T = 1 for 12 tokens: the outputs are fixed by the seeds (no false failures)."""
+  import jax
+  from experiments import tree_sweep
+  from specjax import drafters, loading, models, run, trees
+  from specjax.models import decoder_only
+  config = decoder_only.SIZES["tiny"]
+  params = decoder_only.init_params(config, jax.random.PRNGKey(3))
+  target = loading.LoadedModel("tiny", config, params, SimpleNamespace(eos_id=1, pad_id=0),
+                               models.model_for(config))
+  k0, k1 = speculative_sweep.prompt_keys(jax.random.PRNGKey(0), "humaneval", 2)
+  tokens = np.array([[5, 9, 17, 33, 65, 9, 17, 0]], np.int32)
+  lengths = np.array([7], np.int32)
+  prompts = [speculative_sweep.Prompt(tokens, lengths, None, key) for key in (k0, k1, k0)]
+  decode = run.DecodeSpec(max_new_tokens=12)
+
+  def pattern(outs):
+    out = [np.asarray(o.tokens).tolist() for o in outs]
+    return out[0] == out[2], out[0] != out[1]
+
+  setup = speculative_sweep.Setup(
+      target, {"layers1": drafters.make_drafter("layers1", config, params)}, {"humaneval": prompts},
+      speculative_sweep.SweepSpec(tasks=("humaneval",), drafters=("layers1",), gammas=(2,),
+                                  prompts_per_task=3), decode)
+  programs = speculative_sweep.Programs(setup)
+  assert pattern(programs.baseline("humaneval", 1.0)[2]) == (True, True)
+  assert pattern(programs.speculative("humaneval", "layers1", 2, 1.0, 1.0)[2]) == (True, True)
+  monkeypatch.setattr(speculative_sweep, "heldout_prompts", lambda *args: prompts)
+  bench = tree_sweep.Bench(target, tree_sweep.TreeSweepSpec(drafters=("layers1",),
+                                                            trees=("spine:2x2",), prompts_per_task=3),
+                           decode, 0, "chat")
+  assert pattern(bench.tree_run("humaneval", "layers1", trees.Tree.from_name("spine:2x2"),
+                                1.0)[2]) == (True, True)

@@ -6,7 +6,7 @@ import pathlib
 import gin
 import pytest
 
-from specjax import run
+from specjax import outputs, run
 
 CONFIG_DIR = pathlib.Path(__file__).parent.parent / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("**/*.gin"))
@@ -117,6 +117,22 @@ def test_smoke_sweep_writes_rows_tables_and_plots(tmp_path):
   gin.clear_config()
   assert len(_tiny_sweep(tmp_path)) == 6  # a rerun resumes: nothing measured twice, no new rows
   assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 6
+  # The same directory as a sweep measured before methods were recorded left it: refused, not mixed.
+  _as_if_measured_before_methods_were_recorded(tmp_path)
+  gin.clear_config()
+  with pytest.raises(ValueError, match="measurement: the rows were drawn or timed by an earlier"):
+    _tiny_sweep(tmp_path)
+
+
+def _as_if_measured_before_methods_were_recorded(run_dir):
+  """Rewrite a finished sweep's spec.json and rows' fingerprints without the "measurement" field."""
+  spec = json.loads((run_dir / "spec.json").read_text())
+  del spec["measurement"]
+  (run_dir / "spec.json").write_text(json.dumps(spec))
+  fingerprint = outputs.digest(outputs.without_none(spec))
+  rows = [dict(json.loads(line), sweep_fingerprint=fingerprint)
+          for line in (run_dir / "results.jsonl").read_text().splitlines()]
+  (run_dir / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def test_sweep_refuses_gamma_below_one(tmp_path):
@@ -146,6 +162,10 @@ def test_smoke_tree_sweep_writes_rows_and_table_and_resumes(tmp_path):
   assert "| lookup | lookup | spine:2x2 (5) | 0 |" in (tmp_path / "trees.md").read_text()
   gin.clear_config()
   assert _tiny_tree_sweep(tmp_path) == rows  # a rerun resumes: nothing measured twice
+  _as_if_measured_before_methods_were_recorded(tmp_path)
+  gin.clear_config()
+  with pytest.raises(ValueError, match="measurement: the rows were drawn or timed by an earlier"):
+    _tiny_tree_sweep(tmp_path)
 
 
 def test_tree_sweep_refuses_missing_heads_before_writing(tmp_path):
@@ -168,7 +188,7 @@ def test_compilation_cache_serves_a_second_process(tmp_path):
   import sys  # pylint: disable=import-outside-toplevel
   script = """
 import jax, jax.numpy as jnp
-from specjax import run
+from specjax import outputs, run
 hits = []
 jax.monitoring.register_event_listener(
     lambda event, **_: hits.append(event) if event.endswith("cache_hits") else None)
