@@ -122,8 +122,7 @@ def chained_timer(step_fn, steps_per_call: int = 1, min_call_seconds: float = 0.
   under `min_call_seconds` gets more steps per call (calls of a few ms moved by 20-40 % from one to
   the next on this shared machine), while a step that long already runs alone (a 60 ms verification
   chained 8 times made every timed point of a sweep cost seconds). Compiled once per timer, so traced
-  params (a temperature) reuse it, and warmed up and sized on its first call only: a sweep times the
-  parts again beside every point, and warming each time cost ~18 % of that timing."""
+  params (a temperature) reuse it."""
 
   def chained(params, state, tokens, positions, steps):
     def body(_, carry):
@@ -133,23 +132,22 @@ def chained_timer(step_fn, steps_per_call: int = 1, min_call_seconds: float = 0.
     return jax.lax.fori_loop(0, steps, body, (state, jnp.zeros((), jnp.int32)))
 
   fn = jax.jit(chained, donate_argnums=1)
-  calibrated = []  # steps per call, found on the first call; later calls (rounds) reuse it
 
   def timer(params, state, tokens, positions, repeats: int):
     def call(state, steps):
       start = time.perf_counter()
       state, _ = jax.block_until_ready(fn(params, state, tokens, positions, jnp.int32(steps)))
       return state, time.perf_counter() - start
-    if not calibrated:
-      state, _ = call(state, steps_per_call)  # compile + warm up
-      steps = steps_per_call
-      for _ in range(3):  # a call of very few short steps is mostly dispatch: grow it in turn
-        state, seconds = call(state, steps)
-        if seconds >= min_call_seconds or steps >= 256:
-          break
-        steps = min(256, math.ceil(steps * min_call_seconds / seconds))
-      calibrated.append(steps)
-    steps = calibrated[0]
+    # Warmed up and sized again on every call (round): sizing once per timer left one T5 sweep's
+    # parts at 2-3x their time (accept 0.5 ms against 0.07-0.14), as if a slow sizing call had fixed
+    # the calls at a step or two each, so per-call dispatch counted into every step.
+    state, _ = call(state, steps_per_call)  # compile + warm up
+    steps = steps_per_call
+    for _ in range(3):  # a call of very few short steps is mostly dispatch: grow it in turn
+      state, seconds = call(state, steps)
+      if seconds >= min_call_seconds or steps >= 256:
+        break
+      steps = min(256, math.ceil(steps * min_call_seconds / seconds))
     times = []
     for _ in range(repeats):
       state, seconds = call(state, steps)

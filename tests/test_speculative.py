@@ -451,23 +451,3 @@ def test_chain_step_costs_times_each_part_of_the_real_loop_body():
   only = timing.chain_step_costs(StepModel(step, init_cache), target_params, drafter, draft_params,
                                   config, probe, 2, (1.0,), parts=("draft",))
   assert list(only) == [1.0] and list(only[1.0]) == ["draft"]
-
-
-def test_chained_timer_warms_and_sizes_its_calls_once():
-  """A timer's first call warms the program up and grows its calls to min_call_seconds; later calls
-  (a sweep's rounds beside every point) run only the timed steps, in calls of the size found first."""
-  executed = []
-
-  def step(params, state, tokens, positions):
-    jax.debug.callback(lambda: executed.append(1))
-    return tokens * params, state + 1
-
-  timer = timing.chained_timer(step, min_call_seconds=0.005)
-  args = (jnp.int32(2), jnp.int32(0), jnp.ones((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32))
-  first_seconds, state = timer(*args, 3)
-  first = len(executed)
-  second_seconds, _ = timer(args[0], state, *args[2:], 3)
-  second = len(executed) - first
-  assert second % 3 == 0 and second >= 3  # 3 timed calls of one size
-  assert first >= second + 2  # + the warm-up step and at least one sizing call, on the first only
-  assert first_seconds > 0 and second_seconds > 0
