@@ -9,10 +9,8 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-import functools
-
-from specjax import autoregressive, data, loading
-from specjax.timing import median_seconds, ms_per_token, prefill_seconds, time_passes
+from specjax import data, loading
+from specjax.timing import median_seconds
 
 
 def memory_bandwidth_gbps(megabytes: int = 512, repeats: int = 7) -> float:
@@ -45,29 +43,3 @@ def fresh_state(drafter, params, prompt, max_length: int):
   """A drafter's state after its prefill on a batch-1 (tokens, lengths) prompt."""
   tokens, lengths = prompt
   return jax.jit(drafter.init, static_argnums=3)(params, tokens, lengths, max_length)
-
-
-def time_baseline(model, params, prompts, new_tokens: int, pad_id: int, temperatures, repeats: int,
-                  warmup: int):
-  """The autoregressive baseline at each temperature, EOS off, prefill timed and subtracted.
-
-  Returns ({temperature: {decode_ms, e2e_ms, passes_s, tokens}}, prefill seconds); `tokens` are the
-  last pass's outputs per prompt (greedy equality checks compare against them)."""
-  generate = autoregressive.make_generate(model, autoregressive.DecodeShape(
-      new_tokens, eos_id=None, pad_id=pad_id))
-  rng, f32 = jax.random.PRNGKey(0), functools.partial(jnp.asarray, dtype=jnp.float32)
-  compiled = generate.lower(params, *prompts[0], rng, f32(0.0), f32(1.0), None).compile()
-  prompt_len = prompts[0][0].shape[1]
-  prefill = prefill_seconds(model, None, params, None, prompts[0], prompt_len + new_tokens + 1, 3)
-  baseline = {}
-  for temperature in temperatures:
-    run_one = lambda t, l, temp=temperature: jax.block_until_ready(
-        compiled(params, t, l, rng, f32(temp), f32(1.0), None))
-    seconds, passes, outputs = time_passes(run_one, prompts, repeats,
-                                           warmup if temperature == temperatures[0] else 0)
-    decode_ms, e2e_ms = ms_per_token(seconds, prefill, len(prompts), new_tokens)
-    baseline[temperature] = {"decode_ms": decode_ms, "e2e_ms": e2e_ms, "passes_s": passes,
-                             "tokens": [jax.device_get(o.tokens).tolist() for o in outputs]}
-    print(f"baseline T={temperature:g}: {decode_ms:.1f} ms/token decode, {e2e_ms:.1f} end-to-end "
-          f"(prefill {1000 * prefill:.0f} ms)", flush=True)
-  return baseline, prefill

@@ -35,22 +35,6 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1
   return statistics.median(times), times
 
 
-def time_passes(run_one, prompts, repeats: int, warmup: int):
-  """Median over `repeats` of the summed wall time of run_one(*prompt) over all prompts, after
-  `warmup` untimed runs on the first prompt (warming a compiled program needs no full pass). run_one
-  must block. Returns (seconds, per-pass seconds, the last pass's outputs)."""
-  outputs = []
-  for _ in range(warmup):
-    run_one(*prompts[0])
-
-  def one_pass():
-    outputs.clear()
-    outputs.extend(run_one(*prompt) for prompt in prompts)
-
-  seconds, passes = median_seconds(one_pass, repeats, warmup=0)
-  return seconds, passes, list(outputs)
-
-
 def time_prompts(run_one, prompts, repeats: int, warmup: int) -> tuple[np.ndarray, list]:
   """Each prompt's wall time, the median over `repeats` passes over all prompts (after `warmup`
   untimed runs on the first prompt); run_one must block. Returns (seconds[N], the last pass's
@@ -89,13 +73,6 @@ def loop_seconds(seconds, iterations, min_spread: int = 4, max_relative_error: f
   if per_iteration <= 0 or standard_error > max_relative_error * per_iteration:
     return None
   return float(per_iteration), float(fixed)
-
-
-def ms_per_token(seconds: float, prefill_s: float, num_prompts: int,
-                 new_tokens: int) -> tuple[float, float]:
-  """(decode ms per token after the first, end-to-end ms per token)."""
-  decode = (seconds - num_prompts * prefill_s) / (num_prompts * (new_tokens - 1))
-  return 1000 * decode, 1000 * seconds / (num_prompts * new_tokens)
 
 
 def prefill_seconds(target: contracts.Model, drafter, target_params, draft_params,
