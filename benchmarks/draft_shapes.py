@@ -5,8 +5,8 @@
 Preparatory measurement for training a Chen-style draft: which draft shapes can reach the goal
 c <= 0.1, and what Thm 3.8 then promises at alpha 0.6 / 0.7 / 0.8. Drafts carry random weights
 (decoder_only.init_params): a step's cost depends on the shape, not on the values. Every step is timed
-as experiments.measure times one for benchmarks/speculative.py: jitted, the state donated and threaded
-through, batch 1, T = 1, transform (temperature 1) and sample included, median of `--repeats` after a
+as specjax.timing.step_seconds times one for the sweeps and benchmarks: jitted, the state donated and
+threaded through, batch 1, T = 1, transform (temperature 1) and sample included, median of `--repeats` after a
 compile + warm-up call, from a cache prefilled with the first held-out HumanEval prompt and sized as a
 64-token run at gamma 8 would size it. Each shape gets `--rounds` such medians (one compilation) and
 reports their median: a sub-millisecond step's single median of 15 moved by 2x between runs here.

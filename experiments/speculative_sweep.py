@@ -276,9 +276,10 @@ def size_name(config) -> str:
 # Prompts a side needs before its loop cost is fitted rather than its prefill subtracted.
 MIN_FIT_PROMPTS = 8
 
-# How a row is drawn and timed, in every sweep's spec (so in its fingerprint): a directory whose rows
-# were measured another way is refused rather than resumed into one table with new rows. Change it
-# whenever a change to the keys or the timing would make old and new rows disagree.
+# How a row is drawn and timed, in the spec (so in the fingerprint) of this sweep and of the tree
+# sweep (tree_sweep.py), which measures the same way: a directory whose rows were measured another way
+# is refused rather than resumed into one table with new rows. Change it whenever a change to the
+# keys or the timing (either sweep's) would make old and new rows disagree.
 MEASUREMENT = ("each prompt its own key; baseline, decode and parts timed in turn; both sides of a "
                "speedup by one method; loop fits refused beyond a standard error of 1/4")
 

@@ -240,8 +240,8 @@ class RunDirectory(_Held):
       raise ValueError(f"{self.results} holds {len(rows)} rows of another config "
                        f"({self.fingerprint_key} {', '.join(others)}; this run's is "
                        f"{self.fingerprint}); {what}.\nNothing was written. To resume them, rerun "
-                       f"with the config that wrote them; to run this config, give it another "
-                       f"output_dir or move {self.results} away.")
+                       f"with the config (and the specjax version) that wrote them; to run this "
+                       f"config, give it another output_dir or move {self.results} away.")
     if rows or stored is None or without_none(stored) == without_none(self.spec):
       return
     if any(p.exists() and any(p.iterdir()) for p in self.other_results if p.is_dir()):

@@ -188,7 +188,7 @@ def test_compilation_cache_serves_a_second_process(tmp_path):
   import sys  # pylint: disable=import-outside-toplevel
   script = """
 import jax, jax.numpy as jnp
-from specjax import outputs, run
+from specjax import run
 hits = []
 jax.monitoring.register_event_listener(
     lambda event, **_: hits.append(event) if event.endswith("cache_hits") else None)

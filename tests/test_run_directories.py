@@ -148,7 +148,8 @@ def test_spec_json_removed_then_another_config_is_refused_and_the_original_resum
   rows = (out / "generations.jsonl").read_bytes()
   (out / "spec.json").unlink()
   with pytest.raises(ValueError, match=r"(?s)5 rows of another config.*spec.json is missing.*"
-                                       r"rerun with the config that wrote them.*move .* away"):
+                                       r"rerun with the config \(and the specjax version\) that "
+                                       r"wrote them.*move .* away"):
     _generate(tmp_path, out, model_dir, prompts, max_new_tokens=4, name="other.gin")
   assert not (out / "spec.json").exists() and (out / "generations.jsonl").read_bytes() == rows
   assert _generate(tmp_path, out, model_dir, prompts, max_new_tokens=6)["prompts"] == 5
