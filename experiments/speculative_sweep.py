@@ -313,13 +313,19 @@ def paired_decode_seconds(*sides) -> list[tuple[float, dict]]:
   return results
 
 
-def in_turn(repeats: int, *runs) -> list[list]:
+def in_turn(repeats: int, *runs, names: tuple[str, ...] = ()) -> list[list]:
   """Each of `runs` called in turn, `repeats` times (a slow stretch of the machine falls on all of
-  them alike, not on whichever ran then): every run's results, in call order."""
-  results = [[] for _ in runs]
+  them alike, not on whichever ran then): every run's results, in call order. Logs the wall time
+  each run took in all, under `names`, so a sweep's log shows where a point's time went."""
+  results, spent = [[] for _ in runs], [0.0] * len(runs)
   for _ in range(repeats):
-    for out, run_once in zip(results, runs):
+    for i, (out, run_once) in enumerate(zip(results, runs)):
+      start = time.perf_counter()
       out.append(run_once())
+      spent[i] += time.perf_counter() - start
+  names = names or tuple(f"run {i}" for i in range(len(runs)))
+  logging.info("timed in turn, %d x: %s", repeats,
+               ", ".join(f"{name} {seconds:.1f}s" for name, seconds in zip(names, spent)))
   return results
 
 
@@ -340,7 +346,8 @@ def measure_point(setup: Setup, costs: StepCosts, programs: Programs, point: dic
       setup.spec.repeats, lambda: programs.baseline(task, temperature),
       lambda: programs.speculative(task, name, gamma, temperature, lenience),
       # 3 medians of 9 in all (a single median of 9 steps moved by 20 % here)
-      lambda: time_parts(temperature, 9, rounds=-(-3 // setup.spec.repeats)))
+      lambda: time_parts(temperature, 9, rounds=-(-3 // setup.spec.repeats)),
+      names=("baseline", "speculative", "parts"))
   (base_each, base_tokens, base_out), (spec_each, spec_tokens, spec_out) = map(
       median_pass, (base_runs, spec_runs))
   parts = {part: float(np.median([p[part] for p in part_runs])) for part in part_runs[0]}

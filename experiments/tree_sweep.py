@@ -147,7 +147,8 @@ def measure_point(bench: Bench, point: dict) -> dict:
   base_runs, tree_runs, part_runs = speculative_sweep.in_turn(
       bench.spec.repeats, lambda: bench.programs.baseline(task, temperature),
       lambda: bench.tree_run(task, name, tree, temperature),
-      lambda: time_parts(temperature, 9, rounds=-(-3 // bench.spec.repeats)))
+      lambda: time_parts(temperature, 9, rounds=-(-3 // bench.spec.repeats)),
+      names=("baseline", "tree", "parts"))
   (base_each, base_tokens, base_out), (tree_each, tree_tokens, tree_out) = map(
       speculative_sweep.median_pass, (base_runs, tree_runs))
   part_ms = {part: float(np.median([p[part] for p in part_runs])) for part in part_runs[0]}
