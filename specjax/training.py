@@ -120,13 +120,15 @@ def _on_params_mesh(state, params):
 
 
 def fit(trainer, params, train_batches, seed: int, checkpoint_dir, *,
-        stop_after_step: int | None = None, desc: str = "train", on_loss=None):
+        stop_after_step: int | None = None, desc: str = "train", on_loss=None, validate=None):
   """Train trainer.spec.steps steps from the newest intact checkpoint in checkpoint_dir (or from
   `params`, the trainable tree).
 
   train_batches: the list of batch dicts. stop_after_step: return after that step as an interruption
-  would (the checkpoint written there lets a rerun resume). on_loss(step, loss): called every 10
-  steps and at the end (a run's loss log). Returns (params, losses of this run)."""
+  would (the checkpoint written there lets a rerun resume). on_loss(step, loss, **validation):
+  called every 10 steps, at every checkpoint and at the end (a run's loss log); validate(params) ->
+  dict, if given, is run at every checkpoint and at the end and its results passed on as
+  `validation_<name>` (the validation curve). Returns (params, losses of this run)."""
   spec = trainer.spec
   params = jax.tree_util.tree_map(jnp.asarray, params)
   state = _on_params_mesh({"params": params, "opt_state": trainer.optimizer.init(params)}, params)
@@ -144,12 +146,17 @@ def fit(trainer, params, train_batches, seed: int, checkpoint_dir, *,
     for step in range(start, end):
       batch = train_batches[batch_order(len(train_batches), step, seed)]
       params, opt_state, loss = trainer.train_step(params, opt_state, batch)
-      if (step + 1) % 10 == 0 or step + 1 == end:
+      at_checkpoint = (step + 1) % spec.checkpoint_every == 0 or step + 1 == end
+      if (step + 1) % 10 == 0 or at_checkpoint:
         losses.append((step + 1, float(loss)))
-        bar.set_postfix(loss=f"{losses[-1][1]:.3f}")
+        validation = ({f"validation_{name}": value for name, value in validate(params).items()}
+                      if validate is not None and at_checkpoint else {})
+        bar.set_postfix(loss=f"{losses[-1][1]:.3f}", **{
+            name.replace("validation_", "val_"): f"{value:.3f}" for name, value in
+            validation.items() if name == "validation_loss"})
         if on_loss is not None:
-          on_loss(*losses[-1])
-      if (step + 1) % spec.checkpoint_every == 0 or step + 1 == end:
+          on_loss(*losses[-1], **validation)
+      if at_checkpoint:
         with _quiet_absl():  # orbax logs every save at INFO, dozens of lines
           manager.save(step + 1, args=ocp.args.StandardSave({"params": params,
                                                              "opt_state": opt_state}), force=True)
@@ -187,9 +194,9 @@ def loss_logger(loss_log):
   whose rows the log already holds."""
   logged = {row["step"] for row in loss_log.existing}
 
-  def log_loss(step, loss):
+  def log_loss(step, loss, **validation):
     if step not in logged:
-      loss_log.append({"step": step, "loss": loss})
+      loss_log.append({"step": step, "loss": loss, **validation})
       logged.add(step)
 
   return log_loss

@@ -57,6 +57,12 @@ def test_training_lowers_validation_loss_and_exports(tmp_path, vocabulary_path):
   before, after = summary["validation_before"], summary["validation_after"]
   assert after["loss"] < before["loss"] - 1.0, (before, after)
   assert summary["evaluation"]["examples"] == 16 and 0.0 <= summary["evaluation"]["chrf"] <= 100
+  # The validation curve: before training, then at every checkpoint; its end is the final model's.
+  curve = summary["validation_curve"]
+  assert [step for step, _ in curve] == [0, 10, 20, 30]
+  assert curve[0][1] == before["loss"] and curve[-1][1] == pytest.approx(after["loss"], rel=1e-6)
+  assert curve[-1][1] < curve[0][1] - 1.0
+  assert open(summary["training_curve_plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   # Export round trip: the HF and T5X exports load to the same parameters as the last checkpoint.
   hf_config, hf_params = checkpoints.load(tmp_path / "run" / "hf")
   t5x_config, t5x_params = checkpoints.load(summary["t5x_export"])
@@ -96,6 +102,7 @@ def test_interrupted_training_resumes_to_identical_parameters(tmp_path, vocabula
   _, b = checkpoints.load(tmp_path / "cut" / "hf")
   jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)  # bit-identical
   assert whole["loss_curve"] == resumed["loss_curve"]
+  assert whole["validation_curve"] == resumed["validation_curve"]  # the cut run's step 20 included
 
 
 def test_fine_tuning_starts_from_the_checkpoint(tmp_path, vocabulary_path):
