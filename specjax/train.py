@@ -11,11 +11,12 @@ into one row would need segment-aware attention in the model; buckets give most 
 Without a vocabulary, one is trained with `sentencepiece` on the task's training text (never on
 held-out text) and travels with the model (`spiece.model` in the output and in the HF export).
 
-Outputs in output_dir: spec.json / config.gin (what was asked), train_log.jsonl (loss every 10 steps),
+Outputs in output_dir: spec.json / config.gin (what was asked), train_log.jsonl (loss every 10 steps,
+validation loss and accuracy at every checkpoint), training_curve.png (both against the step),
 checkpoints/ (orbax), spiece.model, hf/ (config.json + model.safetensors + spiece.model, which
 `checkpoints.load` and transformers' T5ForConditionalGeneration read), t5x/checkpoint_<step>/ (msgpack
 + tensorstore, which T5X and `checkpoints.load` read), summary.json (sizes, validation loss before and
-after, the loss curve, BLEU and chrF of greedy decoding on the evaluation split, wall times).
+after, the loss and validation curves, BLEU and chrF of greedy decoding on the evaluation split, wall times).
 """
 
 from __future__ import annotations
