@@ -40,7 +40,7 @@ from specjax import vocabulary as vocabularies
 from specjax.checkpoints import hf_t5, t5_layout, t5x
 from specjax.models import t5
 from specjax.training import (TrainSpec, fit, loss_logger, make_optimizer, make_train_step,
-                              per_position)
+                              per_position, plot_training_curve)
 
 gin.external_configurable(TrainSpec, module="specjax.training")
 
@@ -427,16 +427,17 @@ def _train(output_dir: pathlib.Path, loss_log, task: TaskSpec, shape: T5Shape, t
   evaluation = (evaluate_generation(config, params, vocab, task)
                 if task.evaluation_limit else None)
   log_rows = outputs.read_rows(loss_log.path)
-  curve_path = plot_training_curve(log_rows, before["loss"], output_dir / "training_curve.png")
+  loss_curve = sorted((row["step"], row["loss"]) for row in log_rows)
+  validation_curve = [(0, before["loss"])] + sorted(
+      (row["step"], row["validation_loss"]) for row in log_rows if "validation_loss" in row)
+  curve_path = plot_training_curve(loss_curve, validation_curve, output_dir / "training_curve.png")
   summary = {
       "config": dataclasses.asdict(config), "parameters": t5.num_params(config),
       "vocabulary": str(vocab_path), "train_examples": len(train_pairs),
       "train_target_tokens": int(sum(len(o) for _, o in train_pairs)),
       "validation_examples": len(val_pairs), "validation_before": before,
       "validation_after": after,
-      "loss_curve": sorted((row["step"], row["loss"]) for row in log_rows),
-      "validation_curve": [(0, before["loss"])] + sorted(
-          (row["step"], row["validation_loss"]) for row in log_rows if "validation_loss" in row),
+      "loss_curve": loss_curve, "validation_curve": validation_curve,
       "training_curve_plot": str(curve_path),
       "evaluation": evaluation, "data_seconds": data_seconds, "train_seconds": train_seconds,
       "total_seconds": time.perf_counter() - started, "hf_export": str(output_dir / "hf"),
@@ -446,29 +447,6 @@ def _train(output_dir: pathlib.Path, loss_log, task: TaskSpec, shape: T5Shape, t
   export_path.rename(output_dir / "hf")
   logging.info("T5 written to %s and %s", output_dir / "hf", t5x_path)
   return json.loads(summary_path.read_text())  # what a rerun returns, to the letter
-
-
-def plot_training_curve(log_rows: list[dict], validation_before: float, path: pathlib.Path):
-  """training_curve.png: the training loss (every 10 steps) and the validation loss (before training
-  and at every checkpoint) against the step."""
-  import matplotlib  # pylint: disable=import-outside-toplevel  # only once a model is trained
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  rows = sorted(log_rows, key=lambda row: row["step"])
-  validation = [(0, validation_before)] + [(row["step"], row["validation_loss"]) for row in rows
-                                           if "validation_loss" in row]
-  fig, ax = plt.subplots(figsize=(6, 3.5))
-  ax.plot([row["step"] for row in rows], [row["loss"] for row in rows],
-          label="training objective (every 10 steps)", color="tab:blue")
-  ax.plot(*zip(*validation), "o-", label="validation cross-entropy on the references",
-          color="tab:orange")
-  ax.set(xlabel="step", ylabel="cross-entropy per target token", title=path.parent.name)
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
 
 
 def evaluate_generation(config, params, vocab, task: TaskSpec, batch_size: int = 32) -> dict:

@@ -201,3 +201,21 @@ def loss_logger(loss_log):
 
   return log_loss
 
+
+def plot_training_curve(loss_curve, validation_curve, path: pathlib.Path) -> pathlib.Path:
+  """A PNG of the training objective and the validation loss, each a list of (step, loss), against
+  the step (the curves a trainer's summary.json records)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel  # only once a model is trained
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  ax.plot(*zip(*loss_curve), label="training objective (every 10 steps)", color="tab:blue")
+  ax.plot(*zip(*validation_curve), "o-", label="validation cross-entropy on the references",
+          color="tab:orange")
+  ax.set(xlabel="step", ylabel="cross-entropy per target token", title=path.parent.name)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
