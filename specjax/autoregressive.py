@@ -36,6 +36,11 @@ class GenerateOutput:
   # [B, max_new_tokens, k] (entry i: the distribution of the token after new token i). None otherwise.
   prompt_top_k: tuple | None = None
   new_top_k: tuple | None = None
+  # With DecodeShape.record_hidden as well (a tree model: contracts.supports_trees), the final-norm
+  # hidden states float16 at every prompt position [B, P, E] and at every new token [B, max_new_tokens,
+  # E] (entry i: new token i's), what feature drafters train on. None otherwise.
+  prompt_hidden: jax.Array | None = None
+  new_hidden: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +52,12 @@ class DecodeShape:
   pad_id: int = 0
   max_cache_length: int | None = None  # refuse prompts that would not fit (None: size to the prompt)
   record_top_k: int = 0  # > 0: also return the model's top-k log-probs everywhere (GenerateOutput)
+  record_hidden: bool = False  # with record_top_k: also the hidden states everywhere (GenerateOutput)
 
   def __post_init__(self):
     validate_decode(self.max_new_tokens, self.top_k)
+    if self.record_hidden and not self.record_top_k:
+      raise ValueError("record_hidden rides on the teacher-data path: set record_top_k >= 1 too")
 
 
 def validate_decode(max_new_tokens: int, top_k: int = 0) -> None:
@@ -77,10 +85,38 @@ def prefill(session: contracts.Session, prompt_tokens: jax.Array, prompt_lengths
 
   Returns (logits[B, P, V], cache rolled back to each row's prompt length: the padding written after a
   shorter prompt is stale and the first new token overwrites it)."""
+  logits, _, cache = _prefill(_without_hidden(session), session.init_cache, prompt_tokens,
+                              prompt_lengths, max_length)
+  return logits, cache
+
+
+def _prefill(step, init_cache, prompt_tokens, prompt_lengths, max_length):
+  """`prefill` with a step -> (logits, hidden states or None, cache)."""
   batch, prompt_len = prompt_tokens.shape
   positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-  logits, cache = session.step(prompt_tokens, positions, session.init_cache(batch, max_length))
-  return logits, contracts.set_lengths(cache, prompt_lengths)
+  logits, hidden, cache = step(prompt_tokens, positions, init_cache(batch, max_length))
+  return logits, hidden, contracts.set_lengths(cache, prompt_lengths)
+
+
+def _without_hidden(session: contracts.Session):
+  """session.step as (tokens, positions, cache) -> (logits, None, cache)."""
+  def step(tokens, positions, cache):
+    logits, cache = session.step(tokens, positions, cache)
+    return logits, None, cache
+  return step
+
+
+def _with_hidden(model, params, context):
+  """A tree model's step as (tokens, positions, cache) -> (logits, hidden states float16, cache)."""
+  if not contracts.supports_trees(model):
+    raise ValueError("record_hidden needs a model that returns its hidden states (contracts: tree "
+                     "model), e.g. specjax.models.decoder_only.model(config) of a full-vocabulary "
+                     "target")
+
+  def step(tokens, positions, cache):
+    logits, hidden, cache = model.feature_step(params, context, tokens, positions, cache)
+    return logits, hidden.astype(jnp.float16), cache
+  return step
 
 
 def generate(model: contracts.Model, shape: DecodeShape, params, prompt_tokens: jax.Array,
@@ -98,12 +134,19 @@ def generate(model: contracts.Model, shape: DecodeShape, params, prompt_tokens: 
   max_new = shape.max_new_tokens
   if shape.max_cache_length is not None:
     check_prompt_fits(prompt_len, shape.max_cache_length, max_new + 1)
-  session = contracts.open_session(model, params, source)
-  logits, cache = prefill(session, prompt_tokens, prompt_lengths, prompt_len + max_new + 1)
+  contracts.check_source(model, source)
+  context = model.encode(params, source)
+  session = contracts.bind_session(model, params, context)
+  step = _with_hidden(model, params, context) if shape.record_hidden else _without_hidden(session)
+  logits, prompt_hidden, cache = _prefill(step, session.init_cache, prompt_tokens, prompt_lengths,
+                                          prompt_len + max_new + 1)
   k = shape.record_top_k
-  # Recorded distributions ride in the loop carry only when asked for; the baseline carries nothing.
+  # Recorded distributions (and hidden states) ride in the loop carry only when asked for; the
+  # baseline carries nothing.
   records = (jnp.zeros((batch, max_new, k), jnp.float32),
              jnp.zeros((batch, max_new, k), jnp.int32)) if k else ()
+  if shape.record_hidden:
+    records += (jnp.zeros((batch, max_new, prompt_hidden.shape[-1]), jnp.float16),)
   prompt_top_k = _top_k_logp(logits, k) if k else None
   probs_fn = functools.partial(sampling.probs_from_logits, temperature=temperature,
                                top_k=shape.top_k, top_p=top_p)
@@ -122,9 +165,9 @@ def generate(model: contracts.Model, shape: DecodeShape, params, prompt_tokens: 
     rng, draw_rng = jax.random.split(rng)
     last = out[:, i - 1]
     pos = (prompt_lengths + i - 1).astype(jnp.int32)[:, None]
-    logits, cache = session.step(last[:, None], pos, cache)
+    logits, hidden, cache = step(last[:, None], pos, cache)
     if k:
-      records = tuple(r.at[:, i - 1].set(x) for r, x in zip(records, _top_k_logp(logits[:, 0], k)))
+      records = tuple(r.at[:, i - 1].set(x) for r, x in zip(records, _recorded(logits, hidden, k)))
     token = sampling.sample(draw_rng, probs_fn(logits[:, 0]))
     token = jnp.where(done, shape.pad_id, token)
     out = out.at[:, i].set(token)
@@ -138,10 +181,17 @@ def generate(model: contracts.Model, shape: DecodeShape, params, prompt_tokens: 
     return GenerateOutput(out, num, i - 1)
   # One more step for the distribution after each row's last token (its final position's teacher).
   last = jnp.take_along_axis(out, (num - 1)[:, None], axis=1)
-  final, _ = session.step(last, (prompt_lengths + num - 1).astype(jnp.int32)[:, None], cache)
+  final, hidden, _ = step(last, (prompt_lengths + num - 1).astype(jnp.int32)[:, None], cache)
   rows = jnp.arange(batch)
-  records = tuple(r.at[rows, num - 1].set(x) for r, x in zip(records, _top_k_logp(final[:, 0], k)))
-  return GenerateOutput(out, num, i - 1, prompt_top_k=prompt_top_k, new_top_k=records)
+  records = tuple(r.at[rows, num - 1].set(x) for r, x in zip(records, _recorded(final, hidden, k)))
+  return GenerateOutput(out, num, i - 1, prompt_top_k=prompt_top_k, new_top_k=tuple(records[:2]),
+                        prompt_hidden=prompt_hidden, new_hidden=records[2] if hidden is not None
+                        else None)
+
+
+def _recorded(logits, hidden, k):
+  """One step's records from its logits[B, 1, V] (and hidden states [B, 1, E] or None): [B, ...] each."""
+  return tuple(_top_k_logp(logits[:, 0], k)) + ((hidden[:, 0],) if hidden is not None else ())
 
 
 def _top_k_logp(logits, k):

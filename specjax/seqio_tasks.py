@@ -3,8 +3,8 @@
 The only specjax module that touches seqio, TensorFlow or TensorFlow Datasets, and even it imports
 them lazily (`require_tensorflow`), so `import specjax.seqio_tasks` is cheap and works without the
 extra: callers can test a name against `TASKS` or catch `ManualDownloadError` before paying the
-~10 s TensorFlow import. Install the libraries with `pip install -e '.[tasks]'` (scripts/setup.sh
-does).
+~10 s TensorFlow import. Install the libraries with `pip install -e '.[tasks]'` (`bash scripts/setup.sh
+test` does).
 
 Nothing is registered at import time: the vocabulary is the caller's (the public T5 one, or one
 trained with `specjax.vocabulary.train`), so `register(vocabulary_path)` adds the tasks to
@@ -50,7 +50,7 @@ XSUM = PREFIX + "xsum"
 GETTEXT_TASKS = tuple(PREFIX + task for task in seq2seq_data.TASKS)
 TASKS = (WMT_ENDE, CNN_DAILYMAIL, XSUM) + GETTEXT_TASKS
 INSTALL_HINT = ("specjax's seqio tasks need seqio, TensorFlow and TensorFlow Datasets: install the "
-                "extra with `pip install -e '.[tasks]'` (or run scripts/setup.sh)")
+                "extra with `pip install -e '.[tasks]'` (or run `bash scripts/setup.sh test`)")
 
 TFDS_SPLITS = ("train", "validation", "test")
 XSUM_TFDS_NAME = "xsum:1.1.0"

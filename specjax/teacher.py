@@ -4,9 +4,11 @@ For every TRAIN-split prompt of the chosen sets (the held-out split that the exp
 never seen), the target's greedy continuation and `samples` continuations sampled at temperature 1,
 decoded in batches by the baseline's jitted while_loop, which also records the target's top-k
 log-probabilities (temperature 1) at every prompt and generated position
-(autoregressive.DecodeShape.record_top_k). The target runs once per sequence; its distributions are
-never recomputed. Each prompt set's result is cached once under $SPECJAX_CACHE/teacher, keyed by the
-target, the spec and the seed, so any rerun or another draft shape reuses it.
+(autoregressive.DecodeShape.record_top_k) and, for a target that returns them, its final-norm hidden
+states there (record_hidden), which the MTP and Medusa heads train on. The target runs once per
+sequence; its distributions and hidden states are never recomputed. Each prompt set's result is cached
+once under $SPECJAX_CACHE/teacher (the hidden states in a .hidden.npy beside the .npz, read lazily),
+keyed by the target, the spec and the seed, so any rerun or another draft shape reuses it.
 """
 
 from __future__ import annotations
@@ -58,13 +60,18 @@ class Sequences:
 
   tokens[N], teacher_ids[N, k], teacher_logp[N, k]; sequence i spans offsets[i]:offsets[i + 1]; its
   loss covers positions >= loss_from[i] (prompt positions are scored once per prompt, not per
-  continuation); group[i] names its prompt (validation is split by prompt, never within one)."""
+  continuation); group[i] names its prompt (validation is split by prompt, never within one).
+  hidden[N, E] float16: the target's final-norm hidden state at every position, or None (a target
+  that returns none, or teacher data cached before they were recorded)."""
   tokens: np.ndarray
   teacher_ids: np.ndarray
   teacher_logp: np.ndarray
   offsets: np.ndarray
   loss_from: np.ndarray
   group: np.ndarray  # a stable 63-bit hash of the prompt text
+  hidden: np.ndarray | None = None
+
+  ARRAYS = ("tokens", "teacher_ids", "teacher_logp", "offsets", "loss_from", "group")
 
   def __len__(self):
     return len(self.offsets) - 1
@@ -73,14 +80,21 @@ class Sequences:
     return np.diff(self.offsets)
 
   def save(self, path):
+    if self.hidden is not None:  # first, so a finished .npz always has its hidden states beside it
+      tmp = pathlib.Path(str(path) + ".tmp.npy")
+      np.save(tmp, self.hidden)
+      tmp.replace(_hidden_path(path))
     tmp = pathlib.Path(str(path) + ".tmp.npz")
-    np.savez(tmp, **dataclasses.asdict(self))
+    np.savez(tmp, **{name: getattr(self, name) for name in self.ARRAYS})
     tmp.replace(path)
 
   @classmethod
   def load(cls, path):
+    hidden_path = _hidden_path(path)
+    # Memory-mapped: a draft that never reads them pays nothing for ~2 KB per position.
+    hidden = np.load(hidden_path, mmap_mode="r") if hidden_path.exists() else None
     with np.load(path) as f:
-      return cls(**{field.name: f[field.name] for field in dataclasses.fields(cls)})
+      return cls(**{name: f[name] for name in cls.ARRAYS}, hidden=hidden)
 
   @classmethod
   def concat(cls, parts):
@@ -88,12 +102,14 @@ class Sequences:
     if not parts:
       raise ValueError("no training sequences: every prompt was empty or skipped")
     shifts = np.cumsum([0] + [p.offsets[-1] for p in parts[:-1]])
+    hidden = (np.concatenate([p.hidden for p in parts])
+              if all(p.hidden is not None for p in parts) else None)
     return cls(tokens=np.concatenate([p.tokens for p in parts]),
                teacher_ids=np.concatenate([p.teacher_ids for p in parts]),
                teacher_logp=np.concatenate([p.teacher_logp for p in parts]),
                offsets=np.concatenate([[0]] + [p.offsets[1:] + s for p, s in zip(parts, shifts)]),
                loss_from=np.concatenate([p.loss_from for p in parts]),
-               group=np.concatenate([p.group for p in parts]))
+               group=np.concatenate([p.group for p in parts]), hidden=hidden)
 
   def subset(self, index):
     index = np.asarray(index)
@@ -101,7 +117,13 @@ class Sequences:
     flat = np.concatenate(pieces) if pieces else np.zeros((0,), np.int64)
     return Sequences(self.tokens[flat], self.teacher_ids[flat], self.teacher_logp[flat],
                      np.concatenate([[0], np.cumsum([len(p) for p in pieces])]).astype(np.int64),
-                     self.loss_from[index], self.group[index])
+                     self.loss_from[index], self.group[index],
+                     None if self.hidden is None else self.hidden[flat])
+
+
+def _hidden_path(path) -> pathlib.Path:
+  path = pathlib.Path(path)
+  return path.with_name(path.stem + ".hidden.npy")
 
 
 def stable_hash(text: str) -> int:
@@ -130,7 +152,8 @@ def distil_targets(model: contracts.Model, params, encoded, names, *, max_new_to
                    samples: int, top_k: int, batch_size: int, eos_id, pad_id, seed: int,
                    desc: str = "teacher") -> Sequences:
   """The target (a decoder-only contracts.Model) continues every prompt greedily and `samples` times
-  at temperature 1; returns the sequences with its top-k log-probs at every position.
+  at temperature 1; returns the sequences with its top-k log-probs at every position, and its hidden
+  states there when the model returns them (contracts.supports_trees).
 
   encoded: token-id lists; names: one text per prompt (its hash groups the prompt's sequences)."""
   empty = [name for name, ids in zip(names, encoded) if len(ids) == 0]
@@ -140,7 +163,8 @@ def distil_targets(model: contracts.Model, params, encoded, names, *, max_new_to
                      "prompts or give them text")
   order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths batch together
   decode = autoregressive.make_generate(model, autoregressive.DecodeShape(
-      max_new_tokens, eos_id=eos_id, pad_id=pad_id, record_top_k=top_k))
+      max_new_tokens, eos_id=eos_id, pad_id=pad_id, record_top_k=top_k,
+      record_hidden=contracts.supports_trees(model)))
   runs = [(0.0, 0)] + [(1.0, s + 1) for s in range(samples)]
   batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
   parts = []
@@ -159,11 +183,14 @@ def distil_targets(model: contracts.Model, params, encoded, names, *, max_new_to
 
 def _rows_to_sequences(out, prompt_tokens, lengths, prompts, score_prompt: bool) -> Sequences:
   (prompt_logp, prompt_ids), (new_logp, new_ids) = out.prompt_top_k, out.new_top_k
-  tokens, ids, logp, sizes, loss_from = [], [], [], [], []
+  with_hidden = out.prompt_hidden is not None
+  tokens, ids, logp, hidden, sizes, loss_from = [], [], [], [], [], []
   for row, (length, count) in enumerate(zip(lengths, out.num_generated)):
     tokens.append(np.concatenate([prompt_tokens[row, :length], out.tokens[row, :count]]))
     ids.append(np.concatenate([prompt_ids[row, :length], new_ids[row, :count]]))
     logp.append(np.concatenate([prompt_logp[row, :length], new_logp[row, :count]]))
+    if with_hidden:
+      hidden.append(np.concatenate([out.prompt_hidden[row, :length], out.new_hidden[row, :count]]))
     sizes.append(length + count)
     # Position length - 1 predicts the first new token: always scored.
     loss_from.append(0 if score_prompt else length - 1)
@@ -171,7 +198,8 @@ def _rows_to_sequences(out, prompt_tokens, lengths, prompts, score_prompt: bool)
                    np.concatenate(logp).astype(np.float32),
                    np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
                    np.asarray(loss_from, np.int64),
-                   np.asarray([stable_hash(p) for p in prompts], np.int64))
+                   np.asarray([stable_hash(p) for p in prompts], np.int64),
+                   np.concatenate(hidden).astype(np.float16) if with_hidden else None)
 
 
 def split_validation(seqs: Sequences, fraction: float):

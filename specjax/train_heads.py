@@ -8,10 +8,10 @@ refused to another spec, the target's weights included, as in specjax/outputs.py
 
 1. Teacher data (specjax/teacher.py, cached under $SPECJAX_CACHE/teacher): the target's greedy and
    sampled continuations of TRAIN-split prompts. A TeacherSpec equal to train_draft's reuses its cache.
-2. Hidden states: the target's final-norm hidden state at every position of those sequences, from
-   teacher-forced prefill passes (on CPU many times faster per token than the decoding that wrote
-   them), float16, cached once under $SPECJAX_CACHE/heads_features keyed by the target's fingerprint
-   and the sequences.
+2. Hidden states: the target's final-norm hidden state at every position of those sequences, float16,
+   as the teacher's decoding recorded them (nothing to compute). Teacher data cached before they
+   were recorded gets them from teacher-forced prefill passes, cached once under
+   $SPECJAX_CACHE/heads_features keyed by the target's fingerprint and the sequences.
 3. Training (specjax/training.py: optax, orbax checkpoints in checkpoints/, exact resume, progress
    with ETA, the loss every 10 steps in train_log.jsonl): each position t is one example, its hidden
    state in and, for head k, the sequence's token at t + k + 1 out (where the sequence has it and t
@@ -328,7 +328,11 @@ def train_on_sequences(output_dir, loss_log: outputs.RowsFile | None, target_con
   started = time.perf_counter()
   fingerprint = heads.target_fingerprint(target_config, target_params)
   both = Sequences.concat([train_seqs, val_seqs])
-  features = cached_features(target_config, target_params, fingerprint, both, heads_spec)
+  if both.hidden is not None:
+    features = np.asarray(both.hidden, np.float16)
+    logging.info("target hidden states: %d positions, recorded with the teacher data", len(features))
+  else:
+    features = cached_features(target_config, target_params, fingerprint, both, heads_spec)
   split = int(train_seqs.offsets[-1])
   train_features, val_features = features[:split], features[split:]
   features_seconds = time.perf_counter() - started

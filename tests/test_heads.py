@@ -91,6 +91,11 @@ def _train(output_dir, spec=SPEC, heads_spec=HEADS, stop_after_step=None, target
 def test_hidden_states_are_the_targets_and_untrained_heads_are_its_head():
   target_params, train, _ = _setup()
   features = train_heads.target_features(TARGET, target_params, train, prefill_tokens=256, bucket=16)
+  # The teacher's decoding recorded the same states (prompt positions from its prefill, new tokens
+  # from its one-token steps) as teacher-forced prefill passes compute them, up to float16 rounding.
+  assert train.hidden is not None and train.hidden.shape == features.shape
+  np.testing.assert_allclose(train.hidden.astype(np.float32), features.astype(np.float32),
+                             atol=2e-2, rtol=2e-3)
   first = slice(train.offsets[0], train.offsets[1])
   tokens = jnp.asarray(train.tokens[first])[None]
   logits, hidden, _ = decoder_only.make_feature_step(TARGET)(
@@ -104,6 +109,31 @@ def test_hidden_states_are_the_targets_and_untrained_heads_are_its_head():
   own = heads.head_logits(drafter_params["heads"], drafter_params["head_rows"], hidden[0])
   for k in range(2):
     np.testing.assert_allclose(np.asarray(own[:, k]), np.asarray(logits[0]), atol=1e-4, rtol=1e-4)
+
+
+def test_teacher_data_without_hidden_states_gets_them_from_prefill_once(tmp_path, cache,
+                                                                        monkeypatch):
+  # Teacher data cached before hidden states were recorded (no .hidden.npy beside the .npz) loads
+  # with hidden None; training then computes them by prefill, caches them, and reuses that cache.
+  target_params, train, val = _setup()
+  path = tmp_path / "task-key.npz"
+  train.save(path)
+  assert teacher._hidden_path(path).exists()
+  loaded = teacher.Sequences.load(path)
+  np.testing.assert_array_equal(loaded.hidden, train.hidden)
+  np.testing.assert_array_equal(loaded.tokens, train.tokens)
+  teacher._hidden_path(path).unlink()
+  assert teacher.Sequences.load(path).hidden is None
+  bare = lambda s: dataclasses.replace(s, hidden=None)
+  prefills = []
+  prefill = train_heads.target_features
+  monkeypatch.setattr(train_heads, "target_features",
+                      lambda *args, **kwargs: prefills.append(1) or prefill(*args, **kwargs))
+  for run in ("a", "b"):
+    summary = train_heads.train_on_sequences(tmp_path / run, None, TARGET, target_params, bare(train),
+                                             bare(val), HEADS, SPEC, seed=0, stop_after_step=2)
+    assert summary["stopped_after_step"] == 2
+  assert len(prefills) == 1 and len(list((cache / "heads_features").glob("*.npy"))) == 1
 
 
 def test_position_examples_label_the_token_k_plus_one_ahead():
@@ -126,8 +156,9 @@ def test_training_lowers_held_out_loss_and_raises_top1(tmp_path, cache):
     assert after[name]["loss"] < 0.5 * before[name]["loss"], (name, before[name], after[name])
     assert before[name]["top1"] < 0.05 and after[name]["top1"] > 0.6, (name, before, after)
     assert after[name]["top4"] >= after[name]["top1"]
-  # The target's hidden states were cached once; the saved heads load for this very target.
-  assert len(list((cache / "heads_features").glob("*.npy"))) == 1
+  # The hidden states came with the teacher data: no prefill pass cached any; the saved heads load
+  # for this very target.
+  assert not (cache / "heads_features").exists()
   target_params, _, _ = _setup()
   drafter, params = heads.load_heads(tmp_path / "run" / "heads", TARGET, target_params)
   assert drafter.num_heads == HEADS.num_heads and params["head_tokens"].shape == (40,)

@@ -26,12 +26,12 @@ def test_plan_equals_what_a_run_allocates_and_seventy_b_does_not_fit_on_two_devi
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LIBTPU = ROOT / ".venv" / "libtpu"  # scripts/setup.sh installs the TPU compiler here
+LIBTPU = ROOT / ".venv" / "libtpu"  # `scripts/setup.sh test` installs the TPU compiler here
 
 
 @pytest.mark.slow  # the TPU compiler on 2 CPU cores: about a minute
 def test_tpu_compiler_plans_topologies_and_reports_out_of_memory():
-  assert (LIBTPU / "libtpu").is_dir(), "scripts/setup.sh installs libtpu into .venv/libtpu"
+  assert (LIBTPU / "libtpu").is_dir(), "`bash scripts/setup.sh test` installs libtpu into .venv/libtpu"
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [LIBTPU, ROOT / "tests", ROOT]))}
   done = subprocess.run([sys.executable, str(ROOT / "tests" / "tpu_plan_check.py")], env=env,
                         capture_output=True, text=True, timeout=900, check=False)
