@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from specjax import checkpoints, seq2seq_data, train, training
+from specjax import checkpoints, seq2seq_data, t5_training, train, training
 from specjax import vocabulary as vocabularies
 from specjax.models import t5
 
@@ -87,7 +87,8 @@ def test_hf_export_runs_in_transformers(tmp_path, vocabulary_path):
   vocab = vocabularies.SentencePieceVocabulary.from_file(vocabulary_path)
   pair = train.tokenized(_task(vocabulary_path), "validation", vocab, vocabulary_path, limit=1)[0]
   batch = train.make_batches([pair], 64, 16)[0]
-  ours = np.asarray(train.teacher_forced_logits(t5.model(config), params, batch))[0, :len(pair[1])]
+  logits = t5_training.teacher_forced_logits(t5.model(config), params, batch)
+  ours = np.asarray(logits)[0, :len(pair[1])]
   with torch.no_grad():
     theirs = model(input_ids=torch.tensor([pair[0]]),
                    decoder_input_ids=torch.tensor(batch["decoder_inputs"][:1, :len(pair[1])])).logits
@@ -142,7 +143,7 @@ def _agreement_with(teacher_dir, student_dir, vocabulary_path) -> float:
   (tc, tp), (sc, sp) = (checkpoints.load(d / "hf") for d in (teacher_dir, student_dir))
   agree = total = 0.0
   for batch in train.make_batches(pairs, 512, 16):
-    argmax = [np.argmax(train.teacher_forced_logits(t5.model(c), p, batch), -1)
+    argmax = [np.argmax(t5_training.teacher_forced_logits(t5.model(c), p, batch), -1)
               for c, p in ((tc, tp), (sc, sp))]
     agree += float(((argmax[0] == argmax[1]) * batch["mask"]).sum())
     total += float(batch["mask"].sum())
@@ -150,7 +151,7 @@ def _agreement_with(teacher_dir, student_dir, vocabulary_path) -> float:
 
 
 def test_distilled_draft_agrees_more_with_its_teacher(tmp_path, vocabulary_path):
-  """A draft distilled from a teacher (train.Teacher) matches the teacher's argmax on held-out
+  """A draft distilled from a teacher (t5_training.Teacher) matches the teacher's argmax on held-out
   positions more often than the same draft trained on the references alone (same seed, steps and
   batches: deterministic on CPU, so no false failures); a teacher of another vocabulary is refused."""
   _train(tmp_path / "teacher", vocabulary_path, spec=dataclasses.replace(SPEC, steps=60))
