@@ -37,7 +37,7 @@ from matplotlib import ticker  # pylint: disable=wrong-import-position
 from matplotlib.figure import Figure  # pylint: disable=wrong-import-position
 from matplotlib.lines import Line2D  # pylint: disable=wrong-import-position
 
-from experiments import sweep, tables  # pylint: disable=wrong-import-position
+from experiments import paper_figures, sweep, tables  # pylint: disable=wrong-import-position
 
 _DPI = 120
 
@@ -102,7 +102,7 @@ def _panels(rows: list[dict]) -> dict[Panel, dict[tuple, dict[int, list[dict]]]]
 
 def _task_name(task) -> str:
   key = str(task).lower()
-  stand_ins = sorted({tables.LEVIATHAN_TASK.get(key), tables.CHEN_TASK.get(key)} - {None})
+  stand_ins = sorted({paper_figures.LEVIATHAN_TASK.get(key), paper_figures.CHEN_TASK.get(key)} - {None})
   return _short(task) + (f" ({'/'.join(stand_ins)} stand-in)" if stand_ins else "")
 
 
@@ -170,15 +170,15 @@ def _figure_legend(fig, axes: dict, colours: dict, markers: dict, keys: list[tup
 def _paper_points(ax, task, temp: float, truncated: bool) -> None:
   """The papers' measured speedups for the task ours stands in for, at this sampling: other models
   and hardware (T5-XXL, Chinchilla 70B on TPUs), so grey and hollow, a shape to compare with."""
-  leviathan = tables.LEVIATHAN_TASK.get(str(task).lower())
+  leviathan = paper_figures.LEVIATHAN_TASK.get(str(task).lower())
   if leviathan and not truncated and temp in (0.0, 1.0):  # Table 2 is plain sampling at T = 0 and 1
-    for ptask, draft, ptemp, gamma, _, _, measured in tables.PAPER["leviathan_table2"]["rows"]:
+    for ptask, draft, ptemp, gamma, _, _, measured in paper_figures.PAPER["leviathan_table2"]["rows"]:
       if ptask == leviathan and ptemp == temp:
         ax.plot([gamma], [measured], marker=_PAPER_MARKERS.get(draft, "o"), label=f"paper: {draft}",
                 gid="paper", **_PAPER_STYLE)
-  chen = tables.CHEN_TASK.get(str(task).lower())
+  chen = paper_figures.CHEN_TASK.get(str(task).lower())
   if chen and (temp == 0 or truncated):  # Chen sampled with nucleus (top-p) only; K = 4 throughout
-    for method, ptask, greedy, _, _, speedup in tables.PAPER["chen_table1"]["rows"]:
+    for method, ptask, greedy, _, _, speedup in paper_figures.PAPER["chen_table1"]["rows"]:
       if ptask == chen and greedy == (temp == 0):
         ax.plot([4], [speedup], marker="D", label=f"paper: Chen {ptask} {method}", gid="paper",
                 **_PAPER_STYLE)
