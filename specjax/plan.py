@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from specjax import autoregressive, contracts, drafters, models, sharding, speculative
+from specjax import autoregressive, contracts, drafters, models, plan_report, sharding, speculative
 from specjax import devices as devices_lib
 from specjax import workload as workload_lib
 from specjax.models import kv_cache, t5
@@ -305,7 +305,7 @@ def plan(workload: workload_lib.Workload, devices: devices_lib.Devices, dtype_na
     rows.append(row)
     logging.info("[%d/%d] %s %s (%s): compiled in %.1f s, peak %s per device (%.0f s elapsed)",
                  len(rows), total, model_name, row["program"], dtype_name, row["compile_s"],
-                 _gib(row.get("peak")), time.perf_counter() - start)
+                 plan_report.bytes_text(row.get("peak")), time.perf_counter() - start)
 
   def hopeless(program, params_bytes, cache_bytes) -> dict | None:
     """On CPU, where compiling cannot run out of memory, a program whose parameters and cache alone
@@ -314,7 +314,8 @@ def plan(workload: workload_lib.Workload, devices: devices_lib.Devices, dtype_na
       return None
     return {"program": program, "compile_s": 0.0, "fits": False,
             "note": f"not compiled: parameters and KV cache alone need "
-                    f"{_gib(params_bytes + cache_bytes)} of {_gib(memory_bytes)} per device"}
+                    f"{plan_report.bytes_text(params_bytes + cache_bytes)} of "
+                    f"{plan_report.bytes_text(memory_bytes)} per device"}
 
   sized = {}
   for name, config in [("target", workload.target), *workload.drafts]:
@@ -356,63 +357,6 @@ def _program_names(workload: workload_lib.Workload):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Reporting.
-
-
-def _gib(value) -> str:
-  """Bytes in the largest binary unit that keeps them >= 1 (GiB at most)."""
-  if value is None:
-    return "-"
-  for unit, size in (("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
-    if value >= size:
-      return f"{value / size:.2f} {unit}"
-  return f"{value} B"
-
-
-def _collective_text(counts: dict | None) -> str:
-  if not counts:
-    return "none" if counts is not None else "-"
-  return ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()))
-
-
-def _describe_model(name: str, config) -> str:
-  count = sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(models.param_shapes(config)))
-  return f"{name}: {models.size_name(config) or config} ({count / 1e9:.2f}B params)"
-
-
-def markdown(workload: workload_lib.Workload, result: dict) -> str:
-  """One plan (one dtype) as a markdown table with its header lines."""
-  fits = {True: "yes", False: "NO", None: "-"}
-  memory = result["memory_per_device"]
-  lines = [f"### {result['dtype']} on {result['devices']}, mesh {result['mesh']}",
-           "",
-           f"- models: {'; '.join(_describe_model(n, c) for n, c in [('target', workload.target), *workload.drafts])}",
-           f"- batch {workload.batch}, {'source' if isinstance(workload.target, t5.T5Config) else 'prompt'}"
-           f" {workload.prompt_length} tokens, {workload.max_new_tokens} new tokens"
-           + (f", gamma {workload.gamma}" if workload.drafts else "")
-           + f"; cache {result['max_length']} slots",
-           f"- per-device memory: {_gib(memory) if memory else 'not given (no verdict)'}; "
-           f"fits: {fits[result['fits']]}"]
-  if result["replicated"]:
-    lines.append(f"- replicated (the mesh axis does not divide them): {'; '.join(result['replicated'])}")
-  if workload.skipped:
-    lines.append(f"- not planned (no model): {', '.join(workload.skipped)}")
-  lines += ["", "| model | program | params/dev | KV cache/dev | arguments | outputs | temporaries | "
-            "peak/dev | GFLOP | collectives | compile s | fits |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-  for row in result["rows"]:
-    flops = row.get("flops")
-    lines.append(
-        f"| {row['model']} | {row['program']} | {_gib(row['params'])} | {_gib(row['cache'])} | "
-        f"{_gib(row.get('arguments'))} | {_gib(row.get('outputs'))} | {_gib(row.get('temporaries'))} | "
-        f"{_gib(row.get('peak'))} | {'-' if flops is None else f'{flops / 1e9:.1f}'} | "
-        f"{_collective_text(row.get('collectives'))} | {row['compile_s']:.1f} | {fits[row['fits']]} |")
-    if row.get("note"):
-      lines.append(f"|  | ({row['note']}) |  |  |  |  |  |  |  |  |  |  |")
-  return "\n".join(lines) + "\n"
-
-
-# ----------------------------------------------------------------------------------------------------
 # The command.
 
 
@@ -433,7 +377,7 @@ def run_plan(spec: PlanSpec = PlanSpec(), output_dir: str | None = None) -> list
   for dtype_name in spec.dtypes:
     result = plan(workload, devices, dtype_name, memory, spec.strict_sharding, spec.programs)
     results.append(result)
-    text.append(markdown(workload, result))
+    text.append(plan_report.markdown(workload, result))
     print(text[-1], flush=True)
   if output_dir and jax.process_index() == 0:
     path = pathlib.Path(output_dir)
