@@ -270,9 +270,16 @@ def enable_compilation_cache(path: str | os.PathLike | None = None,
   return str(path)
 
 
+def operative_config() -> str:
+  """The gin config as parsed and used so far, written beside a run's results (empty outside gin).
+  Here so that the trainers, plain Python, need not import gin."""
+  return gin.config_str()
+
+
 def gin_cli(entry, example: str) -> None:
-  """`python -m <module> --gin_file=... [--gin_bindings=...]`: parse the configs, then call the gin
-  configurable `entry` with what they bind. example: a config path for the usage error."""
+  """`python -m <module> --gin_file=... [--gin_bindings=...]`: parse the configs, then call `entry`
+  with what they bind (a plain function: the configs register it with `dynamic_registration`).
+  example: a config path for the usage error."""
   flags.DEFINE_multi_string("gin_file", [], "Gin config files (configs/*.gin).")
   flags.DEFINE_multi_string("gin_bindings", [], "Extra bindings, e.g. "
                             "\"run.DecodeSpec.temperature = 1.0\".")

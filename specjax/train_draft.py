@@ -35,7 +35,6 @@ import json
 import pathlib
 import time
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,7 +219,6 @@ def check_draft_matches(draft_config, target_config):
                      "start from a draft that shares the target's tokenizer, or from DraftShape")
 
 
-@gin.configurable
 def train(output_dir: str = "out/smollm2_draft", target=None, draft: DraftShape = DraftShape(),
           teacher: TeacherSpec = TeacherSpec(), training: TrainSpec = TrainSpec(),
           init_from: str | None = None, seed: int = 0, stop_after_step: int | None = None) -> dict:
@@ -239,7 +237,7 @@ def train(output_dir: str = "out/smollm2_draft", target=None, draft: DraftShape 
   # The directory is held for the whole run (one run at a time); its results are the loss log (one
   # row per 10 steps, which also keeps the whole curve across resumes), the checkpoints and hf/.
   with outputs.RunDirectory(output_dir, spec, "train_log.jsonl", "spec_fingerprint",
-                            gin.config_str(), other_results=("checkpoints", "hf")) as run_dir, \
+                            run.operative_config(), other_results=("checkpoints", "hf")) as run_dir, \
        outputs.RowsFile(run_dir.results, run_dir.fingerprint, "spec_fingerprint",
                         unique_key="step") as loss_log:
     return _train(run_dir.path, loss_log, spec, target, draft, teacher, training, init_from, seed,

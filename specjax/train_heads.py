@@ -37,7 +37,6 @@ import json
 import pathlib
 import time
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -276,7 +275,6 @@ class Trainer:
 
 # ---- the whole run ----------------------------------------------------------------------------------
 
-@gin.configurable
 def train(output_dir: str = "out/smollm2_heads", target=None, heads_spec: HeadsSpec = HeadsSpec(),
           teacher: TeacherSpec = TeacherSpec(), training: TrainSpec = TrainSpec(), seed: int = 0,
           stop_after_step: int | None = None) -> dict:
@@ -287,7 +285,7 @@ def train(output_dir: str = "out/smollm2_heads", target=None, heads_spec: HeadsS
           "teacher": dataclasses.asdict(teacher), "training": dataclasses.asdict(training),
           "seed": seed, "content_keys": run.content_keys(target)}
   with outputs.RunDirectory(output_dir, spec, "train_log.jsonl", "spec_fingerprint",
-                            gin.config_str(), other_results=("checkpoints", "heads")) as run_dir, \
+                            run.operative_config(), other_results=("checkpoints", "heads")) as run_dir, \
        outputs.RowsFile(run_dir.results, run_dir.fingerprint, "spec_fingerprint",
                         unique_key="step") as loss_log:
     summary_path = run_dir.path / "summary.json"
