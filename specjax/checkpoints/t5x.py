@@ -8,19 +8,21 @@ install here): the layout below was read from t5x's source (`t5x/checkpoints.py`
 Legacy t5x layout (every public T5X checkpoint):
 
   checkpoint_<step>/
-    checkpoint      msgpack (flax.serialization): {"version": 3, "optimizer": {"target": params,
+    checkpoint      flax.serialization msgpack: {"version": 3, "optimizer": {"target": params,
                     "state": {"step": ..., "param_states": optimizer slots}}}
     target.encoder.layers_0.attention.query.kernel/  one zarr array per leaf (gzip chunks of at
     ...                                        most 64 MiB), named by its tree path, "/" -> "."
 
-  A leaf of the msgpack tree is either an inline array (msgpack ext type 1, whose payload is a
-  msgpack of (shape, dtype name, C-order bytes); t5x writes unpartitioned leaves such as the step
-  this way) or the JSON of the `tensorstore.Spec` the array was written with, its path relative to
-  the checkpoint directory:
+  t5x writes that file with flax's own `serialization.to_bytes` and reads it with `msgpack_restore`,
+  so flax's msgpack format is t5x's. A leaf is either an inline numpy array (flax's ext type; t5x
+  writes unpartitioned leaves such as the step this way) or the JSON of the `tensorstore.Spec` the
+  array was written with (t5x registers `ts.Spec` with flax to write `to_json()`), its path relative
+  to the checkpoint directory:
     {"driver": "zarr", "dtype": "bfloat16", "kvstore": {"driver": "file", "path": "target.x.y/"},
      "metadata": {"shape": [E, V], "chunks": [...], "compressor": {"id": "gzip"}}}
   (tensorstore < 0.1.14 put "path" at the top level beside a "gcs" kvstore with the placeholder
-  bucket "t5x-dummy-bucket"). Version 3 stores bfloat16 natively; version 2 kept its bits as uint16.
+  bucket "t5x-dummy-bucket"). Version 3 stores bfloat16 natively in tensorstore; version 2 kept its
+  bits as uint16 zarr arrays, which `load` views as bfloat16 (t5x itself now refuses them).
   t5x tells its own format apart by exactly these two top-level keys or by a spec in the tree.
 
 Orbax layouts (t5x's OrbaxCheckpointManagerInterface writes checkpoint_<step>/state/; plain orbax
@@ -29,14 +31,14 @@ leaves are "PLACEHOLDER://<dotted name>" strings, each a zarr directory of that 
 the legacy layout); newer orbax writes `_METADATA`, `manifest.ocdbt` and `ocdbt.process_*/` (OCDBT),
 which `load` reads through orbax-checkpoint's PyTreeCheckpointer.
 
-Parameters: T5X's names under `target` are specjax's T5 names (see `t5_layout.param_shapes`). The kernels of
-t5x/examples/t5 (the network of the public T5 / T5 1.1 checkpoints) are 2-D: DenseGeneral keeps a
-[in, out] parameter and reshapes it, C order, to [embed, heads, head_dim] only when applying it, so
-column h * head_dim + d is head h, dim d, exactly specjax's layout. t5x/examples/scalable_t5 stores
-the same matrix 3-D, [embed, heads, head_dim] (out: [heads, head_dim, embed]); `load` flattens
-those. `rel_embedding` is [heads, buckets] in both, as in specjax. Scanned checkpoints (one stacked
-`layers` tree with a layer axis, e.g. umT5's, which also has per-layer relative position tables)
-are a different architecture and are refused.
+Parameters: T5X's names under `target` are specjax's T5 names (see `t5_layout.param_shapes`). The
+kernels of t5x/examples/t5 (the network of the public T5 / T5 1.1 checkpoints) are 2-D:
+DenseGeneral keeps a [in, out] parameter and reshapes it, C order, to [embed, heads, head_dim] only
+when applying it, so column h * head_dim + d is head h, dim d, exactly specjax's layout.
+t5x/examples/scalable_t5 stores the same matrix 3-D, [embed, heads, head_dim] (out: [heads,
+head_dim, embed]); `load` flattens those. `rel_embedding` is [heads, buckets] in both, as in
+specjax. Scanned checkpoints (one stacked `layers` tree with a layer axis, e.g. umT5's, which also
+has per-layer relative position tables) are a different architecture and are refused.
 """
 
 from __future__ import annotations
@@ -51,9 +53,8 @@ import msgpack
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
-from flax import traverse_util
+from flax import serialization, traverse_util
 
-from specjax.checkpoints import t5_layout
 from specjax.checkpoints.t5_layout import check_shapes, infer_config
 from specjax.models.t5 import T5Config
 
@@ -63,8 +64,8 @@ _ORBAX_FILES = ("_METADATA", "manifest.ocdbt")
 _PLACEHOLDER = "PLACEHOLDER://"  # orbax's aggregate-file reference to a separately stored array
 _CHUNK_BYTES = 64 * 1024 * 1024  # t5x's target chunk size
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-# msgpack ext codes of flax.serialization.
-_EXT_NDARRAY, _EXT_COMPLEX, _EXT_SCALAR = 1, 2, 3
+# Where the parameters sit in a checkpoint's tree: t5x's optimizer target, flax / orbax params.
+_TARGET_KEYS = (("target",), ("params",), ("params", "params"), ())
 _ATTENTION = ("attention", "self_attention", "encoder_decoder_attention")
 
 
@@ -187,34 +188,6 @@ def _resolve(path) -> tuple[str, _Dir]:
       f"{steps}")
 
 
-def _ext_unpack(code, data):
-  """msgpack ext types as flax.serialization writes them."""
-  if code in (_EXT_NDARRAY, _EXT_SCALAR):
-    shape, dtype, buffer = msgpack.unpackb(data, raw=True)
-    dtype = dtype.decode() if isinstance(dtype, bytes) else dtype
-    array = np.frombuffer(buffer, dtype=_np_dtype(dtype)).reshape(shape)
-    return array if code == _EXT_NDARRAY else array[()]
-  if code == _EXT_COMPLEX:
-    real, imag = msgpack.unpackb(data)
-    return complex(real, imag)
-  return msgpack.ExtType(code, data)
-
-
-def _np_dtype(name: str) -> np.dtype:
-  return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
-def _unchunk(tree):
-  """flax splits arrays over 1 GiB into {"__msgpack_chunked_array__", "shape", "chunks"} dicts."""
-  if isinstance(tree, dict):
-    if "__msgpack_chunked_array__" in tree:
-      shape = tuple(tree["shape"][str(i)] for i in range(len(tree["shape"])))
-      chunks = [tree["chunks"][str(i)] for i in range(len(tree["chunks"]))]
-      return np.concatenate(chunks).reshape(shape)
-    return {k: _unchunk(v) for k, v in tree.items()}
-  return tree
-
-
 def _is_spec(leaf) -> bool:
   return isinstance(leaf, dict) and {"driver", "kvstore"} <= leaf.keys()
 
@@ -227,29 +200,24 @@ def _read_msgpack_checkpoint(directory: _Dir) -> dict:
     raise ValueError(f"{where} is a TensorFlow (Mesh TF) checkpoint index, not a T5X checkpoint: "
                      "convert it with t5x's checkpoint conversion first")
   try:
-    contents = msgpack.unpackb(raw, ext_hook=_ext_unpack, raw=False, strict_map_key=False)
+    contents = serialization.msgpack_restore(raw)
   except (ValueError, msgpack.UnpackException) as e:
     raise ValueError(f"{where} is not a msgpack T5X checkpoint: {e}") from e
-  contents = _unchunk(contents)
   if not isinstance(contents, dict):
     raise ValueError(f"{where} is not a T5X checkpoint: its msgpack holds a {type(contents)}")
   # version >= 1: {"version", "optimizer": state}; version 0 (and orbax's aggregate file): state.
   state = contents.get("optimizer", contents)
-  target = _find_target(state)
-  if target is None:
+  target_keys = _target_keys(state)
+  if target_keys is None:
     raise ValueError(f"{where} has no parameters: expected optimizer/target (or target) holding "
                      f"token_embedder/encoder/decoder; top-level keys {sorted(state)}")
-  return _read_leaves(directory, _flatten_specs(target), where)
+  return _read_leaves(directory, _flatten_specs(_get(state, target_keys, None)), where)
 
 
-def _find_target(state):
-  for keys in (("target",), ("params",), ("params", "params"), ()):
-    node = state
-    for key in keys:
-      node = node.get(key) if isinstance(node, dict) else None
-    if isinstance(node, dict) and "token_embedder" in node:
-      return node
-  return None
+def _target_keys(tree) -> tuple | None:
+  """The keys of the parameter tree (the dict holding token_embedder) in `tree`, or None."""
+  return next((keys for keys in _TARGET_KEYS if isinstance(node := _get(tree, keys, None), dict)
+               and "token_embedder" in node), None)
 
 
 def _read_leaves(directory: _Dir, flat: dict, where: str) -> dict:
@@ -298,7 +266,7 @@ def _read_leaves(directory: _Dir, flat: dict, where: str) -> dict:
 def _to_float32(array) -> np.ndarray:
   array = np.asarray(array)
   if array.dtype == np.uint16:  # t5x checkpoint version 2 kept bfloat16 bits as uint16
-    array = array.view(_np_dtype("bfloat16"))
+    array = array.view(ml_dtypes.bfloat16)
   return np.ascontiguousarray(array, dtype=np.float32)
 
 
@@ -309,9 +277,7 @@ def _read_orbax(directory: _Dir) -> dict:
     metadata = checkpointer.metadata(directory.text)
     tree = getattr(metadata, "item_metadata", metadata)  # orbax >= 0.11 wraps it in StepMetadata
     tree = getattr(tree, "tree", tree)
-    target_keys = next((keys for keys in (("target",), ("params",), ("params", "params"), ())
-                        if isinstance(node := _get(tree, keys, None), dict)
-                        and "token_embedder" in node), None)
+    target_keys = _target_keys(tree)
     if target_keys is None:
       raise ValueError(f"no token_embedder/encoder/decoder tree (top-level keys {sorted(tree)})")
     item = _get(tree, target_keys, None)
@@ -368,7 +334,7 @@ def save(path, config: T5Config, params, dtype=np.float32, step: int = 0) -> str
   a t5x training run restores it with a fallback for the optimizer state (e.g. as its initial
   checkpoint). `path` may be a URL tensorstore writes (gs://...). Returns the path.
   """
-  dtype = _np_dtype(dtype if isinstance(dtype, str) else np.dtype(dtype).name)
+  dtype = np.dtype(dtype)
   if dtype.name not in ("float32", "bfloat16"):
     raise ValueError(f"T5X checkpoints are float32 or bfloat16, not {dtype.name}")
   flat = {name: np.asarray(leaf) for name, leaf in _flatten_specs(params).items()}
@@ -399,7 +365,10 @@ def save(path, config: T5Config, params, dtype=np.float32, step: int = 0) -> str
   contents = {"version": VERSION, "optimizer": {
       "target": traverse_util.unflatten_dict(specs, sep="/"),
       "state": {"step": np.asarray(step, np.int32)}}}
-  data = msgpack.packb(contents, default=_ext_pack, strict_types=True)
+  # Not `to_bytes`, as t5x: its to_state_dict would turn the specs' JSON lists into {"0": ...}
+  # dicts (t5x registers ts.Spec with flax instead, a global left alone here). in_place: flax's
+  # copy otherwise goes through jax.tree_util, which sorts dict keys; `to_bytes` packs in place.
+  data = serialization.msgpack_serialize(contents, in_place=True)
   if directory.url:
     ts.KvStore.open(directory.kvstore()).result().write(CHECKPOINT_FILE, data).result()
   else:
@@ -407,23 +376,10 @@ def save(path, config: T5Config, params, dtype=np.float32, step: int = 0) -> str
   return str(path)
 
 
-def _ext_pack(value):
-  """Arrays as flax.serialization packs them (ext type 1 / 3)."""
-  if isinstance(value, np.ndarray):
-    return msgpack.ExtType(_EXT_NDARRAY, _array_payload(value))
-  if isinstance(value, np.generic):
-    return msgpack.ExtType(_EXT_SCALAR, _array_payload(np.asarray(value)))
-  raise TypeError(f"cannot write a {type(value).__name__} into a T5X checkpoint file")
-
-
-def _array_payload(array: np.ndarray) -> bytes:
-  return msgpack.packb((list(array.shape), array.dtype.name, array.tobytes("C")),
-                       use_bin_type=True)
-
-
 def _chunk_shape(shape, itemsize: int) -> list[int]:
   """The largest chunk that tiles `shape` exactly within t5x's 64 MiB: repeatedly shrink the
-  largest dimension to its next smaller divisor."""
+  largest dimension to its next smaller divisor (t5x's `_choose_chunk_shape`; orbax's copy of it
+  is private)."""
   chunk = list(shape)
   while chunk and np.prod(chunk, dtype=np.int64) * itemsize > _CHUNK_BYTES:
     axis = int(np.argmax(chunk))
@@ -432,10 +388,6 @@ def _chunk_shape(shape, itemsize: int) -> list[int]:
   return chunk
 
 
-
-
-
-
 def _flatten_specs(tree) -> dict:
   """{"a/b/c": leaf}, a tensorstore spec dict counting as a leaf."""
-  return t5_layout.flatten(tree, is_leaf=_is_spec)
+  return traverse_util.flatten_dict(tree, sep="/", is_leaf=lambda _, value: _is_spec(value))
