@@ -7,8 +7,8 @@
   T5X checkpoint directory (a `checkpoint` file)  -> t5x (also gs://... paths tensorstore opens)
 
 `read_config(path)` is the architecture alone (no arrays read, except from a T5X checkpoint, whose
-shapes live with its arrays). `content_key(path)` names what a checkpoint holds, not where: results are tied to it, so weights that
-change behind a path make "a different config".
+shapes live with its arrays). `content_key(path)` names what a checkpoint holds, not where: results
+are tied to it, so weights that change behind a path make "a different config".
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def load(path):
     raise FileNotFoundError(f"no checkpoint at {path}")
   found = "a directory with no config.json and no T5X `checkpoint` file" if path.is_dir() else \
       "a file that is not a .gguf"
-  raise ValueError(f"unknown checkpoint layout at {path}: {found}; expected a .gguf file, a Hugging "
-                   "Face directory (config.json + model.safetensors) or a T5X checkpoint directory "
-                   "(a `checkpoint` msgpack file with its arrays)")
+  raise ValueError(f"unknown checkpoint layout at {path}: {found}; expected a .gguf file, a "
+                   "Hugging Face directory (config.json + model.safetensors) or a T5X checkpoint "
+                   "directory (a `checkpoint` msgpack file with its arrays)")
 
 
 def read_config(path):
@@ -73,20 +73,22 @@ _REMOTE_KEY_FILES = ("checkpoint", "_METADATA", "_CHECKPOINT_METADATA", "manifes
 
 
 def content_key(path) -> str:
-  """A digest of what a checkpoint holds: sha256 over every file of a local file or directory (hidden
-  files left out), cached per file by (path, size, mtime) under $SPECJAX_CACHE, so a 500 MB model
-  costs about a second once and nothing after; for a URL (gs://...), a digest of its metadata files
-  (`_REMOTE_KEY_FILES`)."""
+  """A digest of what a checkpoint holds: sha256 over every file of a local file or directory
+  (hidden files left out), cached per file by (path, size, mtime) under $SPECJAX_CACHE, so a 500 MB
+  model costs about a second once and nothing after; for a URL (gs://...), a digest of its metadata
+  files (`_REMOTE_KEY_FILES`)."""
   text = str(path)
   if "://" in text:
     found = []
     for name in _REMOTE_KEY_FILES:
       try:
-        found.append((name, hashlib.sha256(t5x.read_file(f"{text.rstrip('/')}/{name}")).hexdigest()))
+        data = t5x.read_file(f"{text.rstrip('/')}/{name}")
       except FileNotFoundError:
         continue
+      found.append((name, hashlib.sha256(data).hexdigest()))
     if not found:
-      raise FileNotFoundError(f"no checkpoint at {text}: none of {', '.join(_REMOTE_KEY_FILES)} there")
+      raise FileNotFoundError(
+          f"no checkpoint at {text}: none of {', '.join(_REMOTE_KEY_FILES)} there")
     return _digest(found)
   path = pathlib.Path(path)
   if path.is_file():
@@ -104,11 +106,12 @@ def _digest(pairs) -> str:
 
 def _file_sha256(path: pathlib.Path) -> str:
   stat = path.stat()
-  memo_key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+  memo_key = hashlib.sha1(
+      f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
   memo = assets.cache_dir() / "content_keys" / memo_key
   if memo.is_file():
     return memo.read_text().strip()
-  sha = hashlib.sha256()
+  sha = hashlib.sha256()  # by hand: hashlib.file_digest needs Python 3.11, pyproject allows 3.10
   with open(path, "rb") as f:
     for block in iter(lambda: f.read(1 << 22), b""):
       sha.update(block)

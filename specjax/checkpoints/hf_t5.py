@@ -18,6 +18,7 @@ import pathlib
 import shutil
 
 import numpy as np
+from flax import traverse_util
 from safetensors.numpy import save_file
 
 from specjax.checkpoints import hf
@@ -111,21 +112,21 @@ def load(directory):
     raise ValueError(f"{source}: lm_head.weight differs from shared.weight but config.json asks "
                      "for the scaled, tied head of T5 1.0; an untied head must be unscaled (set "
                      "tie_word_embeddings / scale_decoder_outputs to false)")
-  shapes = param_shapes(cfg)
-  params: dict = {}
+  shapes = traverse_util.flatten_dict(param_shapes(cfg))
+  flat = {}
   for hf_name, path, transpose in _layout(cfg):
     stored = tensors.pop(hf_name, None)  # popped: frees each stored copy once converted
     if stored is None:
       raise ValueError(f"{source}: missing tensor {hf_name!r}, which a T5 with {cfg} must have")
     value = np.asarray(stored).astype(np.float32)
     value = value.T if transpose else value
-    expected = _get(shapes, path).shape
+    expected = shapes[path].shape
     if value.shape != expected:
       as_stored = lambda shape: shape[::-1] if transpose else shape
       raise ValueError(f"{source}: {hf_name} has shape {as_stored(value.shape)}, expected "
                        f"{as_stored(expected)} for {cfg}")
-    _set(params, path, np.ascontiguousarray(value))
-  return cfg, params
+    flat[path] = np.ascontiguousarray(value)
+  return cfg, traverse_util.unflatten_dict(flat)
 
 
 def save(directory, cfg: T5Config, params, vocabulary=None) -> pathlib.Path:
@@ -133,24 +134,12 @@ def save(directory, cfg: T5Config, params, vocabulary=None) -> pathlib.Path:
   SentencePiece model file `vocabulary` (when given) as spiece.model, where loaders look for it."""
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
-  tensors = {}
+  flat, tensors = traverse_util.flatten_dict(params), {}
   for hf_name, path, transpose in _layout(cfg):
-    value = np.asarray(_get(params, path), np.float32)
+    value = np.asarray(flat[path], np.float32)
     tensors[hf_name] = np.ascontiguousarray(value.T if transpose else value)
   save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
   (directory / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
   if vocabulary is not None:
     shutil.copyfile(vocabulary, directory / "spiece.model")
   return directory
-
-
-def _get(tree, path):
-  for key in path:
-    tree = tree[key]
-  return tree
-
-
-def _set(tree, path, value):
-  for key in path[:-1]:
-    tree = tree.setdefault(key, {})
-  tree[path[-1]] = value

@@ -1,5 +1,5 @@
-"""The mapping between specjax's decoder_only parameter tree and the per-layer [out, in] matrices that
-Hugging Face Llama checkpoints and GGUF files store.
+"""The mapping between specjax's decoder_only parameter tree and the per-layer [out, in] matrices
+that Hugging Face Llama checkpoints and GGUF files store.
 
 Both readers produce a dict of per-layer numpy matrices in Hugging Face names and orientation; this
 module turns them into our tree (`layers_{i}/...`, [in, out] kernels) and back, so the two formats
@@ -9,6 +9,7 @@ share one conversion and the exporter is its exact inverse.
 from __future__ import annotations
 
 import numpy as np
+from flax import traverse_util
 
 from specjax.models.decoder_only import HEAD_TOKENS, DecoderConfig, validate_head_tokens
 
@@ -34,13 +35,12 @@ def params_from_hf_tensors(get, cfg: DecoderConfig, dtype=np.float32, head_token
       "final_norm": {"scale": _require(get, "model.norm.weight").astype(dtype)},
   }
   for i in range(cfg.num_layers):
-    layer: dict = {}
-    for (module, leaf), hf_name in _LAYER_LEAVES.items():
+    layer = {}
+    for path, hf_name in _LAYER_LEAVES.items():
       hf = _require(get, f"model.layers.{i}.{hf_name}")
       # Norm scales are vectors; every matrix flips from HF's [out, in] to our [in, out].
-      layer.setdefault(module, {})[leaf] = np.ascontiguousarray(
-          (hf if hf.ndim == 1 else hf.T).astype(dtype))
-    params[f"layers_{i}"] = layer
+      layer[path] = np.ascontiguousarray((hf if hf.ndim == 1 else hf.T).astype(dtype))
+    params[f"layers_{i}"] = traverse_util.unflatten_dict(layer)
   if not cfg.tie_embeddings:
     head = _require(get, "lm_head.weight")
     if cfg.head_size:

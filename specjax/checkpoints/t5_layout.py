@@ -7,10 +7,12 @@ models.t5.param_shapes by the tests (this one needs no tracing, so sizing T5-XXL
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 
 import numpy as np
+from flax import traverse_util
 
 from specjax.models.t5 import SIZES, T5Config
 
@@ -35,15 +37,15 @@ def param_shapes(config: T5Config) -> dict:
   encoder = {"relpos_bias": relpos, "encoder_norm": dict(scale)}
   for i in range(config.num_encoder_layers):
     encoder[f"layers_{i}"] = {
-        "pre_attention_layer_norm": dict(scale), "attention": _copy(attention),
-        "pre_mlp_layer_norm": dict(scale), "mlp": _copy(mlp)}
+        "pre_attention_layer_norm": dict(scale), "attention": copy.deepcopy(attention),
+        "pre_mlp_layer_norm": dict(scale), "mlp": copy.deepcopy(mlp)}
   decoder = {"relpos_bias": dict(relpos), "decoder_norm": dict(scale)}
   for i in range(config.num_decoder_layers):
     decoder[f"layers_{i}"] = {
-        "pre_self_attention_layer_norm": dict(scale), "self_attention": _copy(attention),
+        "pre_self_attention_layer_norm": dict(scale), "self_attention": copy.deepcopy(attention),
         "pre_cross_attention_layer_norm": dict(scale),
-        "encoder_decoder_attention": _copy(attention),
-        "pre_mlp_layer_norm": dict(scale), "mlp": _copy(mlp)}
+        "encoder_decoder_attention": copy.deepcopy(attention),
+        "pre_mlp_layer_norm": dict(scale), "mlp": copy.deepcopy(mlp)}
   if not config.tie_embeddings:
     decoder["logits_dense"] = {"kernel": (e, config.vocab_size)}
   return {"token_embedder": {"embedding": (config.vocab_size, e)}, "encoder": encoder,
@@ -118,10 +120,6 @@ def check_shapes(params, config: T5Config, where: str = "params") -> None:
                      f"({len(extra)} unexpected in all): not part of {arch}")
 
 
-def _copy(tree):
-  return {k: _copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
-
-
 def _shape(leaf) -> tuple:
   if isinstance(leaf, tuple):
     return leaf
@@ -153,14 +151,6 @@ def _describe(config: T5Config) -> str:
           + (f" ({name})" if name else ""))
 
 
-def flatten(tree, prefix: str = "", is_leaf=lambda value: False) -> dict:
-  """{"a/b/c": leaf} for a nested dict (any Mapping, e.g. flax FrozenDict); `is_leaf` marks dicts
-  that are leaves (t5x's tensorstore specs)."""
-  out = {}
-  for key, value in tree.items():
-    name = f"{prefix}{key}"
-    if hasattr(value, "items") and not is_leaf(value):
-      out.update(flatten(value, name + "/", is_leaf))
-    else:
-      out[name] = value
-  return out
+def flatten(tree) -> dict:
+  """{"a/b/c": leaf} for a nested dict or flax FrozenDict."""
+  return traverse_util.flatten_dict(tree, sep="/")
