@@ -20,7 +20,9 @@ import jax
 import numpy as np
 
 import common
-from specjax import assets, autoregressive, data, loading
+from specjax import assets, loading
+from specjax.decoding import autoregressive
+from specjax.data import prompts as prompt_sets
 
 
 def main():
@@ -36,7 +38,7 @@ def main():
   path = assets.smollm2_gguf_path()
   target = loading.load_model()
   config, tok, params = target.config, target.tokenizer, jax.device_put(target.params)
-  ids = [tok.encode(p) for p in data.load_prompt_set("humaneval").prompts]
+  ids = [tok.encode(p) for p in prompt_sets.load_prompt_set("humaneval").prompts]
   ids = [i[:args.prompt_tokens] for i in ids if len(i) >= args.prompt_tokens]
 
   peer = None

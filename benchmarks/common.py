@@ -9,7 +9,8 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from specjax import data, loading
+from specjax import loading
+from specjax.data import prompts as prompt_sets
 from specjax.timing import median_seconds
 
 
@@ -33,7 +34,7 @@ def load_prompts(target: loading.LoadedModel, count: int, name: str = "humaneval
                  style: str = "chat"):
   """The first `count` held-out prompts of a set as batch-1 (tokens[1, P], lengths[1]) pairs padded to
   one shared length (one compiled program), and their keys."""
-  heldout = data.load_prompt_set(name, "heldout", limit=count, style=style)
+  heldout = prompt_sets.load_prompt_set(name, "heldout", limit=count, style=style)
   batch = target.batch(heldout.prompts, bucket=32, max_length=1024)
   return ([(batch.prompt_tokens[i:i + 1], batch.prompt_lengths[i:i + 1])
            for i in range(len(heldout))], list(heldout.keys))

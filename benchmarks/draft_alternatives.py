@@ -4,7 +4,7 @@ speedup on this CPU.
     .venv/bin/python benchmarks/draft_alternatives.py [--shapes top8k-d256-L2,...]
         [--prompts 4] [--new_tokens 64] [--gammas 2,3,4,5]
 
-Every variant is distilled by specjax.train_draft with the same teacher data (the library's default
+Every variant is distilled by specjax.training.draft_model with the same teacher data (the library's default
 TeacherSpec = configs/smollm2_draft.gin's, cached once under $SPECJAX_CACHE/teacher) and the default
 TrainSpec (300 steps of 4,096 tokens) unless its row says otherwise, into
 out/draft_alternatives/<name>; `top8k-d256-L2` is the embedded default's draft, so a finished
@@ -37,17 +37,18 @@ import sys
 import time
 
 import common
-from specjax import run, teacher, train_draft, training
+from specjax import specs
+from specjax.training import teacher, draft_model, trainer
 
-DEFAULT_STEPS = training.TrainSpec().steps
+DEFAULT_STEPS = trainer.TrainSpec().steps
 # name -> (shape, training steps)
 SHAPES = {
-    "top8k-d256-L2": (train_draft.DraftShape(), DEFAULT_STEPS),
-    "top8k-d256-L1": (train_draft.DraftShape(num_layers=1), DEFAULT_STEPS),
-    "top4k-d256-L2": (train_draft.DraftShape(head_size=4096), DEFAULT_STEPS),
-    "top8k-d256-L2-3x": (train_draft.DraftShape(), 3 * DEFAULT_STEPS),
-    "top16k-d256-L2": (train_draft.DraftShape(head_size=16384), DEFAULT_STEPS),
-    "full-d256-L2": (train_draft.DraftShape(head_size=0), DEFAULT_STEPS),
+    "top8k-d256-L2": (draft_model.DraftShape(), DEFAULT_STEPS),
+    "top8k-d256-L1": (draft_model.DraftShape(num_layers=1), DEFAULT_STEPS),
+    "top4k-d256-L2": (draft_model.DraftShape(head_size=4096), DEFAULT_STEPS),
+    "top8k-d256-L2-3x": (draft_model.DraftShape(), 3 * DEFAULT_STEPS),
+    "top16k-d256-L2": (draft_model.DraftShape(head_size=16384), DEFAULT_STEPS),
+    "full-d256-L2": (draft_model.DraftShape(head_size=0), DEFAULT_STEPS),
 }
 DEFAULT_RUN = ("top8k-d256-L2", "top8k-d256-L1", "top4k-d256-L2", "top8k-d256-L2-3x")
 __doc__ += "".join(f"  {name:17s} {steps} steps, {shape}\n" for name, (shape, steps) in SHAPES.items())
@@ -80,9 +81,9 @@ def main():
     if (name == "top8k-d256-L2" and not out.exists()
         and (trained_default / "summary.json").exists()):
       shutil.copytree(trained_default, out)  # the same spec: train_draft finds it finished
-    fits[name] = train_draft.train(
-        output_dir=str(out), target=run.ModelSpec(), draft=shape, teacher=teacher.TeacherSpec(),
-        training=dataclasses.replace(training.TrainSpec(), steps=steps))
+    fits[name] = draft_model.train(
+        output_dir=str(out), target=specs.ModelSpec(), draft=shape, teacher=teacher.TeacherSpec(),
+        training=dataclasses.replace(trainer.TrainSpec(), steps=steps))
   drafters = ",".join([f"model:{args.out_dir}/{name}/hf" for name in names]
                       + [f"lookup+model:{args.out_dir}/{names[0]}/hf"])
   subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculative.py"), "--drafters", drafters,

@@ -64,7 +64,8 @@ import numpy as np
 
 import common
 from common import fresh_state
-from specjax import contracts, drafters, loading, sampling, theory
+from specjax import contracts, drafters, loading, theory
+from specjax.decoding import sampling
 from specjax.timing import draft_step, median_seconds, one_token, step_seconds
 from specjax.timing import target_step as timed_target_step
 from specjax.models import decoder_only

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 import common
 from experiments import speculative_sweep
-from specjax import run
+from specjax import loading, specs
 
 
 def parse_args():
@@ -53,8 +53,8 @@ def parse_args():
   parser.add_argument("--prompts", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=3, help="timed passes per point, in turn")
   parser.add_argument("--new_tokens", type=int, default=64)
-  parser.add_argument("--task", default="humaneval", help="a prompt set of specjax.data or a .jsonl")
-  parser.add_argument("--checkpoint", default=run.ModelSpec().checkpoint)
+  parser.add_argument("--task", default="humaneval", help="a prompt set of specjax.data.prompts or a .jsonl")
+  parser.add_argument("--checkpoint", default=specs.ModelSpec().checkpoint)
   parser.add_argument("--style", default="chat", help="prompt style: chat, or t5 for a T5 target")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--no_overhead", action="store_true", help="skip the draft == target bound")
@@ -71,7 +71,7 @@ def main():
       temperatures=tuple(float(t) for t in args.temperatures.split(",")),
       prompts_per_task=args.prompts, repeats=args.repeats)
   points = grid.points()  # validates every name before the target is loaded
-  target, _ = run.load_target(run.ModelSpec(args.checkpoint), (1, 1))
+  target, _ = loading.load_target(specs.ModelSpec(args.checkpoint), (1, 1))
   if not args.no_overhead:
     if target.encoder_decoder:
       raise SystemExit("the overhead bound runs the target as its own draft through layers{L}, which "
@@ -81,7 +81,7 @@ def main():
                                gammas=tuple(sorted(set(grid.gammas) | {1})))
     points.append({"task": args.task, "drafter": itself, "gamma": 1, "temperature": 0.0,
                    "lenience": 1.0, "overhead_bound": True})
-  decode = run.DecodeSpec(max_new_tokens=args.new_tokens)
+  decode = specs.DecodeSpec(max_new_tokens=args.new_tokens)
   setup = speculative_sweep.Setup.build(target, grid, decode, args.seed, args.style)
   costs, programs = speculative_sweep.StepCosts(setup), speculative_sweep.Programs(setup)
   print(f"{len(points)} points; setup {time.perf_counter() - started:.0f}s", flush=True)

@@ -22,7 +22,8 @@ import jax
 import numpy as np
 
 import common
-from specjax import autoregressive, contracts
+from specjax import contracts
+from specjax.decoding import autoregressive
 from specjax.checkpoints import hf_t5
 from specjax.models import t5
 

@@ -27,14 +27,14 @@ DRAFTS = ("draft_small", "draft_base", "draft_large")
 def generate(out: pathlib.Path, name: str, drafter: str | None, args) -> list[dict]:
   gin.clear_config()
   run.parse_gin(["configs/smollm2_generate.gin"], [
-      f"run.generate.output_dir = '{out / name}'",
-      "run.ModelSpec.checkpoint = 'out/t5_gettext/target/hf'",
-      "run.PromptSpec.name = 'gettext_ende'", "run.PromptSpec.split = 'heldout'",
-      "run.PromptSpec.limit = None", "run.PromptSpec.style = 't5'",
-      f"run.PromptSpec.batch_size = {args.batch_size}",
-      f"run.DecodeSpec.max_new_tokens = {args.new_tokens}",
-      f"run.generate.drafter = {repr(drafter) if drafter else None}",
-      f"run.generate.gamma = {args.gamma}"])
+      f"generation.Generate.output_dir = '{out / name}'",
+      "specs.ModelSpec.checkpoint = 'out/t5_gettext/target/hf'",
+      "specs.PromptSpec.name = 'gettext_ende'", "specs.PromptSpec.split = 'heldout'",
+      "specs.PromptSpec.limit = None", "specs.PromptSpec.style = 't5'",
+      f"specs.PromptSpec.batch_size = {args.batch_size}",
+      f"specs.DecodeSpec.max_new_tokens = {args.new_tokens}",
+      f"generation.Generate.drafter = {repr(drafter) if drafter else None}",
+      f"generation.Generate.gamma = {args.gamma}"])
   gin.get_configurable(run.main)()
   return [json.loads(line) for line in (out / name / "generations.jsonl").read_text().splitlines()]
 

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 import common
 from experiments import tree_sweep
-from specjax import run, trees
+from specjax import loading, specs, trees
 
 
 def parse_args():
@@ -47,8 +47,8 @@ def parse_args():
   parser.add_argument("--prompts", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=3, help="timed passes per point, in turn")
   parser.add_argument("--new_tokens", type=int, default=64)
-  parser.add_argument("--task", default="humaneval", help="a prompt set of specjax.data or a .jsonl")
-  parser.add_argument("--checkpoint", default=run.ModelSpec().checkpoint)
+  parser.add_argument("--task", default="humaneval", help="a prompt set of specjax.data.prompts or a .jsonl")
+  parser.add_argument("--checkpoint", default=specs.ModelSpec().checkpoint)
   parser.add_argument("--style", default="chat", help="prompt style: chat, or t5 for a T5 target")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default="trees")
@@ -77,8 +77,8 @@ def main():
       temperatures=tuple(float(t) for t in args.temperatures.split(",")),
       prompts_per_task=args.prompts, repeats=args.repeats)
   points = grid.points()  # validates every name before the target is loaded
-  target, _ = run.load_target(run.ModelSpec(args.checkpoint), (1, 1))
-  bench = tree_sweep.Bench(target, grid, run.DecodeSpec(max_new_tokens=args.new_tokens), args.seed,
+  target, _ = loading.load_target(specs.ModelSpec(args.checkpoint), (1, 1))
+  bench = tree_sweep.Bench(target, grid, specs.DecodeSpec(max_new_tokens=args.new_tokens), args.seed,
                            args.style)
   print(f"{len(points)} points; setup {time.perf_counter() - started:.0f}s", flush=True)
   rows = []

@@ -1,4 +1,4 @@
-"""The measured speculative sweep: `python -m specjax.run` with `run.main.job = @speculative_sweep.sweep`.
+"""The measured speculative sweep: `python -m specjax.run` with `run.main.job = @speculative_sweep.Sweep()`.
 
 Every point (task x drafter x temperature x lenience x gamma) times the autoregressive baseline and the
 speculative run side by side in this process, on the same held-out prompts (batch 1 each, padded to
@@ -35,7 +35,6 @@ import time
 import zlib
 from typing import NamedTuple
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,8 +42,10 @@ from absl import logging
 
 from experiments import plots, tables
 from experiments import sweep as resumable
-from specjax import (autoregressive, data, drafters, loading, metrics, outputs, run, speculative,
-                     theory, timing)
+from specjax import (drafters, launch, loading, metrics, outputs, specs, speculative, theory,
+                     timing)
+from specjax.decoding import autoregressive
+from specjax.data import prompts as prompt_sets
 from specjax.drafters import ModelDrafter
 from specjax.models import decoder_only, t5
 
@@ -72,7 +73,7 @@ class SweepSpec:
     if not self.tasks or not self.drafters:
       raise ValueError("SweepSpec.tasks and SweepSpec.drafters need at least one entry each")
     for task in self.tasks:
-      data.check_prompt_set_name(task)
+      prompt_sets.check_prompt_set_name(task)
     for name in self.drafters:
       drafters.draft_checkpoint(name)
     gammas = resumable.validate_gammas(self.gammas)
@@ -120,7 +121,7 @@ def heldout_prompts(target: loading.LoadedModel, task: str, count: int, style: s
   compiled program per task), each with its own key (`prompt_keys`)."""
   # A prompts file is a test set of its own: all of it counts (the named sets keep their split).
   split = "all" if task.endswith(".jsonl") else "heldout"
-  heldout = data.load_prompt_set(task, split, limit=count, style=style)
+  heldout = prompt_sets.load_prompt_set(task, split, limit=count, style=style)
   batch = target.batch(heldout.prompts, bucket=32, max_length=1024)
   rows = lambda array, i: None if array is None else jax.tree_util.tree_map(lambda x: x[i:i + 1],
                                                                             array)
@@ -136,13 +137,13 @@ class Setup:
   drafters: dict
   prompts: dict[str, list[Prompt]]
   spec: SweepSpec
-  decode: run.DecodeSpec
+  decode: specs.DecodeSpec
 
   @classmethod
-  def build(cls, target: loading.LoadedModel, spec: SweepSpec, decode: run.DecodeSpec, seed: int,
+  def build(cls, target: loading.LoadedModel, spec: SweepSpec, decode: specs.DecodeSpec, seed: int,
             style: str, mesh=None) -> "Setup":
     needs_text = any(drafters.needs_text(name) for name in spec.drafters)
-    sequences = (data.train_sequences(target.tokenizer, target.encoder_decoder, style)
+    sequences = (prompt_sets.train_sequences(target.tokenizer, target.encoder_decoder, style)
                  if needs_text else None)
     mesh = mesh if mesh is not None and mesh.size > 1 else None
     made = {name: drafters.make_drafter(name, target.config, target.params, sequences, mesh=mesh)
@@ -388,34 +389,43 @@ def measure_point(setup: Setup, costs: StepCosts, programs: Programs, point: dic
   }
 
 
-@gin.configurable
-def sweep(output_dir: str = "out/smollm2_default", target: run.ModelSpec = run.ModelSpec(),
-          prompts: run.PromptSpec = run.PromptSpec(), decode: run.DecodeSpec = run.DecodeSpec(),
-          grid: SweepSpec = SweepSpec(), mesh_shape: tuple = (1, 1), seed: int = 0) -> list[dict]:
+@dataclasses.dataclass(frozen=True)
+class Sweep:
   """Measure every point of `grid` into output_dir/results.jsonl (resumable), then write the papers'
   tables and plots next to it. `prompts` sets the prompt style; `decode` the new-token budget and
-  top-k / top-p. Returns the rows."""
-  points = grid.points()  # validates the grid before anything is loaded or written
-  spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),
-          "decode": dataclasses.asdict(decode), "mesh_shape": list(mesh_shape), "seed": seed,
-          "sweep": dataclasses.asdict(grid), "measurement": MEASUREMENT,
-          "content_keys": run.content_keys(target, grid.drafters)}
-  loaded, mesh = run.load_target(target, mesh_shape)
-  bench = []  # built on the first point to measure, so a rerun of a finished sweep costs nothing
+  top-k / top-p. Calling it runs the sweep and returns the rows."""
+  output_dir: str = "out/smollm2_default"
+  target: specs.ModelSpec = specs.ModelSpec()
+  prompts: specs.PromptSpec = specs.PromptSpec()
+  decode: specs.DecodeSpec = specs.DecodeSpec()
+  grid: SweepSpec = SweepSpec()
+  mesh_shape: tuple = (1, 1)
+  seed: int = 0
 
-  def measure(point):
-    if not bench:
-      start = time.perf_counter()
-      setup = Setup.build(loaded, grid, decode, seed, prompts.style, mesh)
-      bench.extend([setup, StepCosts(setup), Programs(setup)])
-      logging.info("sweep of %d points; setup %.0fs", len(points), time.perf_counter() - start)
-    return measure_point(*bench, point)
+  def __call__(self) -> list[dict]:
+    grid, decode = self.grid, self.decode
+    points = grid.points()  # validates the grid before anything is loaded or written
+    spec = {"target": dataclasses.asdict(self.target), "prompts": dataclasses.asdict(self.prompts),
+            "decode": dataclasses.asdict(decode), "mesh_shape": list(self.mesh_shape),
+            "seed": self.seed, "sweep": dataclasses.asdict(grid), "measurement": MEASUREMENT,
+            "content_keys": loading.content_keys(self.target,
+                                                 drafters.checkpoints_of(grid.drafters))}
+    loaded, mesh = loading.load_target(self.target, self.mesh_shape)
+    bench = []  # built on the first point to measure, so a rerun of a finished sweep costs nothing
 
-  with outputs.RunDirectory(output_dir, spec, "results.jsonl", "sweep_fingerprint",
-                            gin.config_str()) as run_dir:
-    rows = resumable.run_sweep(points, measure, run_dir.results, desc="sweep", config=spec)
-    if jax.process_index() == 0:
-      tables.write_all(rows, run_dir.path)
-      plots.plot_all(rows, run_dir.path)
-  logging.info("sweep done: %d rows in %s", len(rows), output_dir)
-  return rows
+    def measure(point):
+      if not bench:
+        start = time.perf_counter()
+        setup = Setup.build(loaded, grid, decode, self.seed, self.prompts.style, mesh)
+        bench.extend([setup, StepCosts(setup), Programs(setup)])
+        logging.info("sweep of %d points; setup %.0fs", len(points), time.perf_counter() - start)
+      return measure_point(*bench, point)
+
+    with outputs.RunDirectory(self.output_dir, spec, "results.jsonl", "sweep_fingerprint",
+                              launch.operative_config()) as run_dir:
+      rows = resumable.run_sweep(points, measure, run_dir.results, desc="sweep", config=spec)
+      if jax.process_index() == 0:
+        tables.write_all(rows, run_dir.path)
+        plots.plot_all(rows, run_dir.path)
+    logging.info("sweep done: %d rows in %s", len(rows), self.output_dir)
+    return rows

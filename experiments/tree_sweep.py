@@ -1,4 +1,4 @@
-"""The token-tree sweep: `python -m specjax.run` with `run.main.job = @tree_sweep.sweep`.
+"""The token-tree sweep: `python -m specjax.run` with `run.main.job = @tree_sweep.TreeSweep()`.
 
 Every point (task x tree drafter x tree shape x temperature) times the autoregressive baseline and the
 tree loop (specjax/trees.py) side by side in this process on the same held-out prompts (batch 1 each,
@@ -22,7 +22,6 @@ import dataclasses
 import time
 import warnings
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,8 +29,10 @@ from absl import logging
 
 from experiments import speculative_sweep, tables
 from experiments import sweep as resumable
-from specjax import (checkpoints, data, heads, metrics, outputs, run, sampling, theory, timing,
-                     tree_drafters, trees)
+from specjax import (checkpoints, drafters, heads, launch, loading, metrics, outputs, specs, theory,
+                     timing, tree_drafters, trees)
+from specjax.data import prompts as prompt_sets
+from specjax.decoding import sampling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,7 @@ class TreeSweepSpec:
     if not self.tasks or not self.drafters or not self.trees:
       raise ValueError("TreeSweepSpec.tasks, drafters and trees need at least one entry each")
     for task in self.tasks:
-      data.check_prompt_set_name(task)
+      prompt_sets.check_prompt_set_name(task)
     for name in self.drafters:
       tree_drafters.check_tree_drafter_name(name)
     shapes = [trees.Tree.from_name(name).name for name in self.trees]
@@ -66,10 +67,10 @@ class Bench:
   """What every point shares: target, drafters, prompts, the baseline programs (the speculative
   sweep's), the compiled tree programs and the measured costs."""
 
-  def __init__(self, target, spec: TreeSweepSpec, decode: run.DecodeSpec, seed: int, style: str):
+  def __init__(self, target, spec: TreeSweepSpec, decode: specs.DecodeSpec, seed: int, style: str):
     self.target, self.spec, self.decode = target, spec, decode
     names = spec.drafters
-    sequences = (data.train_sequences(target.tokenizer, target.encoder_decoder, style)
+    sequences = (prompt_sets.train_sequences(target.tokenizer, target.encoder_decoder, style)
                  if any(map(tree_drafters.tree_drafter_needs_text, names)) else None)
     self.drafters = {name: tree_drafters.make_tree_drafter(name, target.config, target.params,
                                                            sequences)
@@ -229,38 +230,47 @@ def tree_table(rows: list[dict]) -> tables.Table:
            "theory.tree_speedup(beta by depth, costs).")
 
 
-@gin.configurable
-def sweep(output_dir: str = "out/smollm2_trees", target: run.ModelSpec = run.ModelSpec(),
-          prompts: run.PromptSpec = run.PromptSpec(), decode: run.DecodeSpec = run.DecodeSpec(),
-          grid: TreeSweepSpec = TreeSweepSpec(), seed: int = 0) -> list[dict]:
-  """Measure every point of `grid` into output_dir/results.jsonl (resumable), then trees.md / .csv."""
-  points = grid.points()
-  spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),
-          "decode": dataclasses.asdict(decode), "seed": seed, "sweep": dataclasses.asdict(grid),
-          "measurement": speculative_sweep.MEASUREMENT,
-          "content_keys": {**run.content_keys(target, tuple(
-              d for d in grid.drafters if tree_drafters.feature_directory(d) is None)), **{
-                  d: checkpoints.content_key(tree_drafters.feature_directory(d))
-                  for d in grid.drafters if tree_drafters.feature_directory(d) is not None}}}
-  loaded, _ = run.load_target(target, (1, 1))
-  if loaded.encoder_decoder:  # refused before the run directory is made, not at the first point
-    for name in filter(tree_drafters.feature_directory, grid.drafters):
-      heads.check_target({}, loaded.config, loaded.params, where=f"the drafter {name!r}")
-  bench = []
+@dataclasses.dataclass(frozen=True)
+class TreeSweep:
+  """Measure every point of `grid` into output_dir/results.jsonl (resumable), then trees.md / .csv.
+  Calling it runs the sweep and returns the rows."""
+  output_dir: str = "out/smollm2_trees"
+  target: specs.ModelSpec = specs.ModelSpec()
+  prompts: specs.PromptSpec = specs.PromptSpec()
+  decode: specs.DecodeSpec = specs.DecodeSpec()
+  grid: TreeSweepSpec = TreeSweepSpec()
+  seed: int = 0
 
-  def measure(point):
-    if not bench:
-      start = time.perf_counter()
-      bench.append(Bench(loaded, grid, decode, seed, prompts.style))
-      logging.info("tree sweep of %d points; setup %.0fs", len(points), time.perf_counter() - start)
-    return measure_point(bench[0], point)
+  def __call__(self) -> list[dict]:
+    grid = self.grid
+    points = grid.points()
+    spec = {"target": dataclasses.asdict(self.target), "prompts": dataclasses.asdict(self.prompts),
+            "decode": dataclasses.asdict(self.decode), "seed": self.seed,
+            "sweep": dataclasses.asdict(grid), "measurement": speculative_sweep.MEASUREMENT,
+            "content_keys": {**loading.content_keys(self.target, drafters.checkpoints_of(tuple(
+                d for d in grid.drafters if tree_drafters.feature_directory(d) is None))), **{
+                    d: checkpoints.content_key(tree_drafters.feature_directory(d))
+                    for d in grid.drafters if tree_drafters.feature_directory(d) is not None}}}
+    loaded, _ = loading.load_target(self.target, (1, 1))
+    if loaded.encoder_decoder:  # refused before the run directory is made, not at the first point
+      for name in filter(tree_drafters.feature_directory, grid.drafters):
+        heads.check_target({}, loaded.config, loaded.params, where=f"the drafter {name!r}")
+    bench = []
 
-  with outputs.RunDirectory(output_dir, spec, "results.jsonl", "sweep_fingerprint",
-                            gin.config_str()) as run_dir:
-    rows = resumable.run_sweep(points, measure, run_dir.results, desc="tree sweep", config=spec)
-    if jax.process_index() == 0:
-      table = tree_table(rows)
-      (run_dir.path / "trees.md").write_text(table.markdown() + "\n")
-      table.write_csv(run_dir.path / "trees.csv")
-  logging.info("tree sweep done: %d rows in %s", len(rows), output_dir)
-  return rows
+    def measure(point):
+      if not bench:
+        start = time.perf_counter()
+        bench.append(Bench(loaded, grid, self.decode, self.seed, self.prompts.style))
+        logging.info("tree sweep of %d points; setup %.0fs", len(points),
+                     time.perf_counter() - start)
+      return measure_point(bench[0], point)
+
+    with outputs.RunDirectory(self.output_dir, spec, "results.jsonl", "sweep_fingerprint",
+                              launch.operative_config()) as run_dir:
+      rows = resumable.run_sweep(points, measure, run_dir.results, desc="tree sweep", config=spec)
+      if jax.process_index() == 0:
+        table = tree_table(rows)
+        (run_dir.path / "trees.md").write_text(table.markdown() + "\n")
+        table.write_csv(run_dir.path / "trees.csv")
+    logging.info("tree sweep done: %d rows in %s", len(rows), self.output_dir)
+    return rows

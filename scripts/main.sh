@@ -9,12 +9,12 @@
 #  - the T5 experiment's target and three drafts are trained on the first run (configs/t5_gettext/*.gin,
 #    Django's gettext catalogs) and reused from out/t5_gettext afterwards.
 # Every step shows progress with an ETA; a killed run resumes where it stopped.
-# Extra arguments go to the SmolLM2 sweep, e.g. --gin_bindings='run.DecodeSpec.max_new_tokens = 64'.
+# Extra arguments go to the SmolLM2 sweep, e.g. --gin_bindings='specs.DecodeSpec.max_new_tokens = 64'.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m specjax.train_draft --gin_file=configs/smollm2_draft.gin
-.venv/bin/python -m specjax.train_heads --gin_file=configs/smollm2_mtp.gin
+.venv/bin/python -m specjax.train --gin_file=configs/smollm2_draft.gin
+.venv/bin/python -m specjax.train --gin_file=configs/smollm2_mtp.gin
 for model in target draft_small draft_base draft_large; do
   .venv/bin/python -m specjax.train --gin_file="configs/t5_gettext/$model.gin"
 done

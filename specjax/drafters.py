@@ -45,7 +45,8 @@ import numpy as np
 
 from jax.sharding import Mesh
 
-from specjax import autoregressive, checkpoints, contracts, models, sharding
+from specjax import checkpoints, contracts, models, sharding
+from specjax.decoding import autoregressive
 from specjax.contracts import Source, Transform
 from specjax.models import decoder_only
 
@@ -362,11 +363,17 @@ def draft_checkpoint(name: str) -> str | None:
     path = inner[len("model:"):]
     if "://" not in path and not pathlib.Path(path).exists():
       raise FileNotFoundError(
-          f"no draft checkpoint at {path}; train one first (python -m specjax.train_draft "
+          f"no draft checkpoint at {path}; train one first (python -m specjax.train "
           f"--gin_file=configs/smollm2_draft.gin writes out/smollm2_draft/hf; scripts/main.sh runs it)")
     return path
   raise ValueError(f"unknown drafter {name!r}: use unigram, bigram, lookup, layers{{k}} (layers2), "
                    "lookup+<another drafter> or model:<checkpoint path>")
+
+
+def checkpoints_of(names) -> dict[str, str]:
+  """{drafter name: checkpoint path} of the names that read a checkpoint (checked: see
+  draft_checkpoint)."""
+  return {name: path for name in names if (path := draft_checkpoint(name)) is not None}
 
 
 def make_drafter(name: str, target_config, target_params=None,

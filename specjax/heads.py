@@ -35,7 +35,7 @@ import numpy as np
 FORMAT = 1
 WEIGHTS_FILE = "heads.npz"
 METADATA_FILE = "heads.json"
-TRAIN_COMMAND = "python -m specjax.train_heads --gin_file=configs/smollm2_heads.gin"
+TRAIN_COMMAND = "python -m specjax.train --gin_file=configs/smollm2_heads.gin"
 
 
 # ---- the heads as pure functions --------------------------------------------------------------------
@@ -234,7 +234,7 @@ def check_target(meta: dict, target_config, target_params, where="these heads",
   """Refuse a target the heads were not trained for, naming the fix."""
   if hasattr(target_config, "num_encoder_layers"):  # a T5Config
     raise ValueError(f"{where} read a decoder-only target's hidden states, and heads are trained for "
-                     "decoder-only targets only (python -m specjax.train_heads); for a T5 target "
+                     "decoder-only targets only (python -m specjax.train); for a T5 target "
                      "build the tree from a chain drafter's top-k instead, e.g. "
                      "model:out/t5_gettext/draft_large/hf (configs/t5_gettext/trees.gin)")
   if (meta["vocab_size"], meta["embed_dim"]) != (target_config.vocab_size, target_config.embed_dim):
@@ -242,7 +242,7 @@ def check_target(meta: dict, target_config, target_params, where="these heads",
                      f"width {meta['embed_dim']}; this target has {target_config.vocab_size} and "
                      f"{target_config.embed_dim}. Heads read their own target's hidden states: train "
                      f"heads for this target with `{command}` and "
-                     "run.ModelSpec.checkpoint bound to its checkpoint")
+                     "specs.ModelSpec.checkpoint bound to its checkpoint")
   found = target_fingerprint(target_config, target_params)
   if found != meta["target_fingerprint"]:
     named = meta.get("target", {}).get("checkpoint")
@@ -251,7 +251,7 @@ def check_target(meta: dict, target_config, target_params, where="these heads",
                      f"{meta['target_fingerprint']}, this target's is {found}. Heads read the hidden "
                      "states of the exact weights they were trained on, so they would propose noise "
                      f"here: train heads for this target with `{command}` and "
-                     "run.ModelSpec.checkpoint bound to its checkpoint, or load this target's own")
+                     "specs.ModelSpec.checkpoint bound to its checkpoint, or load this target's own")
 
 
 def load_heads(directory, target_config, target_params) -> tuple[HeadsDrafter, dict]:

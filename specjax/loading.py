@@ -13,17 +13,21 @@ from the decoder start token.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import pathlib
-from typing import Any, Sequence
+import time
+from typing import Any, Mapping, Sequence
 
 import numpy as np
+from absl import logging
 
-from specjax import assets, checkpoints, contracts, data, models
+from specjax import assets, checkpoints, contracts, models, sharding
+from specjax.checkpoints import t5x
+from specjax.data import prompts
 from specjax.models import t5
+from specjax.specs import EMBEDDED_SMOLLM2, ModelSpec
 from specjax.tokenizer import Tokenizer
 from specjax.vocabulary import SentencePieceVocabulary
-
-EMBEDDED_SMOLLM2 = "embedded:smollm2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +60,7 @@ class LoadedModel:
             max_length: int | None = None) -> Batch:
     """Texts -> a Batch: token ids right-padded to a multiple of `bucket` (at most max_length)."""
     ids = [self.tokenizer.encode(text) for text in texts]
-    tokens, lengths = data.make_batch(ids, self.tokenizer.pad_id, bucket, max_length)
+    tokens, lengths = prompts.make_batch(ids, self.tokenizer.pad_id, bucket, max_length)
     if not self.encoder_decoder:
       return Batch(tokens, lengths)
     prompt, prompt_lengths = t5.decoder_prompt(self.config, len(texts))
@@ -111,3 +115,30 @@ def load_tokenizer(path, config, vocabulary: str | None = None):
     raise FileNotFoundError(f"{path} has no tokenizer.json; a target needs its tokenizer to read "
                             "prompts: copy the model's tokenizer.json there, or pass vocabulary=")
   return Tokenizer.from_hf_json(tokenizer_json)
+
+
+def load_target(spec: ModelSpec, mesh_shape: tuple = (1, 1)) -> tuple[LoadedModel, Any]:
+  """The model a spec names with its params placed on a ('data', 'model') mesh: -> (model with
+  placed params, mesh). On more than one device the model also lays out its activations and caches
+  by the sharding rules."""
+  start = time.perf_counter()
+  loaded = load_model(spec.checkpoint, spec.vocabulary)
+  logging.info("loaded %s (%s) in %.1fs", spec.checkpoint, type(loaded.config).__name__,
+               time.perf_counter() - start)
+  mesh = sharding.make_mesh(*mesh_shape)
+  params = sharding.place(loaded.params, models.param_shardings(loaded.config, mesh))
+  logging.info("%s", sharding.describe(mesh))
+  model = models.model_for(loaded.config, mesh if mesh.size > 1 else None)
+  return dataclasses.replace(loaded, params=params, model=model), mesh
+
+
+def content_keys(target: ModelSpec,
+                 drafter_checkpoints: Mapping[str, str] | None = None) -> dict:
+  """{model: content key} for the target (and its vocabulary file) and every drafter checkpoint
+  ({drafter name: path}): what a run's results are tied to, beyond the names in its spec."""
+  keys = {"target": checkpoints.content_key(checkpoint_path(target.checkpoint))}
+  if target.vocabulary is not None:
+    keys["target vocabulary"] = hashlib.sha256(t5x.read_file(target.vocabulary)).hexdigest()[:16]
+  for name, path in (drafter_checkpoints or {}).items():
+    keys[name] = checkpoints.content_key(checkpoint_path(path))
+  return keys

@@ -33,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import heads
-from specjax.sampling import top_ids
+from specjax.decoding.sampling import top_ids
 
 KIND = "mtp"
 WEIGHTS_FILE = "mtp.npz"
-TRAIN_COMMAND = "python -m specjax.train_heads --gin_file=configs/smollm2_mtp.gin"
+TRAIN_COMMAND = "python -m specjax.train --gin_file=configs/smollm2_mtp.gin"
 NAMES = ("in_kernel", "in_bias", "kernel", "bias")
 
 

@@ -46,7 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import autoregressive, contracts, sampling
+from specjax import contracts
+from specjax.decoding import autoregressive, sampling
 from specjax.metrics import SpecOutput, SpecStats
 
 # Residual mass below which normalize(max(0, target - l draft)) is float noise (it is exactly 0 when the

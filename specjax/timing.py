@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import autoregressive, contracts, sampling, speculative, trees
+from specjax import contracts, speculative, trees
+from specjax.decoding import autoregressive, sampling
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import drafters, heads, mtp
-from specjax.sampling import top_ids
+from specjax.decoding.sampling import top_ids
 
 
 def _ranking(logits: jax.Array) -> jax.Array:
@@ -138,7 +138,7 @@ def check_tree_drafter_name(name: str) -> None:
       is_mtp = name.removeprefix("lookup+").startswith(MTP_PREFIX)
       config = "smollm2_mtp" if is_mtp else "smollm2_heads"
       raise FileNotFoundError(f"no trained heads at {directory!r}; train them first (python -m "
-                              f"specjax.train_heads --gin_file=configs/{config}.gin writes "
+                              f"specjax.training.heads --gin_file=configs/{config}.gin writes "
                               f"out/{config}/heads; scripts/main.sh runs it)")
     return
   drafters.draft_checkpoint(name)

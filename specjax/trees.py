@@ -49,7 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import autoregressive, contracts, sampling, speculative
+from specjax import contracts, speculative
+from specjax.decoding import autoregressive, sampling
 from specjax.metrics import SpecOutput, SpecStats
 
 

@@ -84,7 +84,7 @@ class BigramDrafter:
 def bigram_marginals(target, temperature, top_k, top_p, steps, prompt_token=2):
   """Exact law of the tokens target-only sampling from a [V, V] bigram logits table emits at output
   positions 0..steps-1 after a one-token prompt."""
-  from specjax import sampling  # pylint: disable=import-outside-toplevel
+  from specjax.decoding import sampling  # pylint: disable=import-outside-toplevel
   chain = np.asarray(sampling.probs_from_logits(jnp.asarray(target), temperature, top_k, top_p),
                      np.float64)
   law, laws = chain[prompt_token], []
@@ -177,10 +177,11 @@ def tiny_t5_files(root: pathlib.Path, config=None, seed: int = 21):
   -> (HF directory with spiece.model, the same weights as a T5X checkpoint, the vocabulary file,
   a prompts JSONL of five "translate English to German: ..." sources, those texts)."""
   import json  # pylint: disable=import-outside-toplevel
-  from specjax import data, vocabulary  # pylint: disable=import-outside-toplevel
+  from specjax import vocabulary  # pylint: disable=import-outside-toplevel
+  from specjax.data import prompts  # pylint: disable=import-outside-toplevel
   from specjax.checkpoints import hf_t5, t5x  # pylint: disable=import-outside-toplevel
   config = config or t5.SIZES["tiny"]
-  pairs = data.django_de_pairs()
+  pairs = prompts.django_de_pairs()
   vocab_path = root / "spm" / "spiece.model"
   vocab = vocabulary.train([text for pair in pairs for text in pair], vocab_path, vocab_size=100)
   assert vocab.vocab_size == 100
@@ -195,24 +196,24 @@ def tiny_t5_files(root: pathlib.Path, config=None, seed: int = 21):
 
 
 def generation_gin(path, output_dir, checkpoint, vocabulary_path, prompts, max_new_tokens=10):
-  """A `run.generate` config for `checkpoint` over a prompts file (all of it, batches of 2)."""
+  """A `generation.Generate` config for `checkpoint` over a prompts file (all of it, batches of 2)."""
   path.write_text(f"""from __gin__ import dynamic_registration
 from specjax import run
 
-run.main.job = @run.generate
-run.generate:
+run.main.job = @generation.Generate()
+generation.Generate:
   output_dir = "{output_dir}"
-  target = @run.ModelSpec()
-  prompts = @run.PromptSpec()
-  decode = @run.DecodeSpec()
-run.ModelSpec.checkpoint = "{checkpoint}"
-run.ModelSpec.vocabulary = {'None' if vocabulary_path is None else repr(str(vocabulary_path))}
-run.PromptSpec:
+  target = @specs.ModelSpec()
+  prompts = @specs.PromptSpec()
+  decode = @specs.DecodeSpec()
+specs.ModelSpec.checkpoint = "{checkpoint}"
+specs.ModelSpec.vocabulary = {'None' if vocabulary_path is None else repr(str(vocabulary_path))}
+specs.PromptSpec:
   name = "{prompts}"
   split = "all"
   limit = None
   batch_size = 2
   bucket = 8
-run.DecodeSpec.max_new_tokens = {max_new_tokens}
+specs.DecodeSpec.max_new_tokens = {max_new_tokens}
 """)
   return path

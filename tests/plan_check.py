@@ -12,8 +12,9 @@ import jax  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402
 
 from conftest import random_decoder_params  # noqa: E402
-from specjax import (autoregressive, contracts, devices, drafters, models, plan, sharding,  # noqa: E402
-                     speculative, workload)
+from specjax import contracts, drafters, models, plan, sharding, speculative  # noqa: E402
+from specjax.decoding import autoregressive  # noqa: E402
+from specjax.plan import devices, workload  # noqa: E402
 from specjax.models import decoder_only  # noqa: E402
 
 TARGET = decoder_only.DecoderConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=8,

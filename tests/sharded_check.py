@@ -11,7 +11,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from conftest import random_decoder_params  # noqa: E402
-from specjax import autoregressive, models, sharding  # noqa: E402
+from specjax import models, sharding  # noqa: E402
+from specjax.decoding import autoregressive
 from specjax.models import decoder_only  # noqa: E402
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax import sampling, speculative, theory
+from specjax import speculative, theory
+from specjax.decoding import sampling
 
 # V = 4, gamma = 2. Row-wise draft / target distributions used by the hand cases below.
 DRAFT_1 = [0.5, 0.5, 0.0, 0.0]

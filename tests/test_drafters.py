@@ -10,7 +10,8 @@ from scipy import stats
 
 from conftest import (BigramDrafter, bigram_from_step, bigram_model, bigram_table,
                       random_decoder_params)
-from specjax import drafters, sampling, speculative
+from specjax import drafters, speculative
+from specjax.decoding import sampling
 from specjax.models import decoder_only
 
 

@@ -512,7 +512,7 @@ def test_sampled_runs_of_both_sweeps_draw_from_each_prompt_s_key(monkeypatch):
   tokens sampled at T = 1 for 12 tokens: the outputs are fixed by the seeds (no false failures)."""
   import jax
   from experiments import tree_sweep
-  from specjax import drafters, loading, models, run, trees
+  from specjax import drafters, loading, models, specs, trees
   from specjax.models import decoder_only
   config = decoder_only.SIZES["tiny"]
   params = decoder_only.init_params(config, jax.random.PRNGKey(3))
@@ -522,7 +522,7 @@ def test_sampled_runs_of_both_sweeps_draw_from_each_prompt_s_key(monkeypatch):
   tokens = np.array([[5, 9, 17, 33, 65, 9, 17, 0]], np.int32)
   lengths = np.array([7], np.int32)
   prompts = [speculative_sweep.Prompt(tokens, lengths, None, key) for key in (k0, k1, k0)]
-  decode = run.DecodeSpec(max_new_tokens=12)
+  decode = specs.DecodeSpec(max_new_tokens=12)
 
   def pattern(outs):
     out = [np.asarray(o.tokens).tolist() for o in outs]

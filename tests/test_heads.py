@@ -13,13 +13,16 @@ import optax
 import pytest
 
 from conftest import random_decoder_params, random_t5_params
-from specjax import autoregressive, heads, mtp, teacher, train_heads, training, trees
+from specjax import heads, mtp, trees
+from specjax.decoding import autoregressive
+from specjax.training import heads as train_heads
+from specjax.training import teacher, trainer
 from specjax.models import decoder_only, t5
 
 TARGET = decoder_only.SIZES["tiny"]  # vocab 128, width 64
 HEADS = train_heads.HeadsSpec(num_heads=3, head_size=40, top_width=4, prefill_tokens=256,
                               prefill_bucket=16)
-SPEC = training.TrainSpec(steps=150, tokens_per_batch=256, learning_rate=1e-2, warmup_steps=10,
+SPEC = trainer.TrainSpec(steps=150, tokens_per_batch=256, learning_rate=1e-2, warmup_steps=10,
                           checkpoint_every=50, validation_fraction=0.2)
 
 
@@ -52,7 +55,7 @@ def _trained_target(steps=100):
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
 
   optimizer = optax.adam(1e-2)
-  update = training.make_train_step(loss_fn, optimizer)
+  update = trainer.make_train_step(loss_fn, optimizer)
   params = decoder_only.init_params(TARGET, jax.random.PRNGKey(0))
   state, rng = optimizer.init(params), np.random.RandomState(1)
   for _ in range(steps):
@@ -197,7 +200,7 @@ def test_heads_refuse_a_target_they_were_not_trained_for(tmp_path):
                    {"target": {"checkpoint": "tiny-seed-3"}})
   heads.load_heads(tmp_path / "heads", TARGET, target_params)  # its own target: fine
   other = random_decoder_params(TARGET, seed=4, scale=0.2)
-  with pytest.raises(ValueError, match=r"another target \(tiny-seed-3\).*specjax.train_heads"):
+  with pytest.raises(ValueError, match=r"another target \(tiny-seed-3\).*specjax.train"):
     heads.load_heads(tmp_path / "heads", TARGET, other)
   # One weight changed anywhere (not the embedding) is another target too.
   nudged = jax.tree_util.tree_map(np.asarray, target_params)

@@ -11,7 +11,8 @@ import pytest
 from scipy import stats
 
 from conftest import BigramDrafter, bigram_table, random_decoder_params
-from specjax import autoregressive, drafters, sampling, speculative
+from specjax import drafters, speculative
+from specjax.decoding import autoregressive, sampling
 from specjax.contracts import StepModel
 from specjax.models import decoder_only
 

@@ -1,4 +1,4 @@
-"""Two processes on 127.0.0.1 decode as one: `run.generate` with a T5 target and a T5 draft sharded
+"""Two processes on 127.0.0.1 decode as one: `generation.Generate` with a T5 target and a T5 draft sharded
 on one ('data' 2, 'model' 4) mesh spanning both processes (4 simulated CPU devices each, gloo
 collectives) writes exactly the tokens of the single-process, unsharded run, greedy and at
 temperature 0.8 with a fixed seed; process 0 alone writes. The worker is tests/two_process_check.py."""

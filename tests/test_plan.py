@@ -14,7 +14,9 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 from conftest import run_check_on_8_devices
-from specjax import devices, models, plan, run
+from specjax import models, plan
+from specjax.plan import __main__ as plan_cli
+from specjax.plan import devices, workload
 
 
 def test_plan_equals_what_a_run_allocates_and_seventy_b_does_not_fit_on_two_devices():
@@ -42,10 +44,11 @@ def test_tpu_compiler_plans_topologies_and_reports_out_of_memory():
 
 def _workload(config_file, *bindings):
   gin.clear_config()
-  run.parse_gin([config_file], list(bindings))
+  plan_cli.parse_gin([config_file], list(bindings))
   try:
-    spec = plan.PlanSpec()  # with the config's bindings
-    return plan.config_workload(spec.target_size, spec.draft_sizes, spec.prompt_length)
+    spec = plan_cli.configured_plan_spec()  # with the config's bindings
+    return workload.of_job(plan_cli.configured_job(), spec.target_size, spec.draft_sizes,
+                           spec.prompt_length)
   finally:
     gin.clear_config()
 

@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 
 import gin
 import pytest
@@ -21,38 +22,34 @@ def clean_gin():
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
 def test_every_config_parses_and_binds(config):
-  """The paper configs name checkpoints that are not here: parsing and binding is what can be checked."""
+  """The paper configs name checkpoints that are not here: parsing and binding is what can be checked.
+  Every config names its job (`run.main.job`: a decoding job, built here with every binding it has;
+  `train.main.job`: a training function, whose bound specs are built)."""
   run.parse_gin([str(config)], [])
-  if config.name.endswith("_draft.gin"):  # python -m specjax.train_draft configs
-    from specjax import train_draft  # pylint: disable=import-outside-toplevel
-    bound = gin.get_bindings(train_draft.train)
-    assert {"output_dir", "target", "draft", "teacher", "training"} <= set(bound)
-    for spec in ("DraftShape", "TeacherSpec", "TrainSpec"):  # every binding names a real field
-      gin.get_configurable(getattr(train_draft, spec))()
+  if "train.main.job" in _with_includes(config):
+    job = gin.query_parameter("train.main.job")
+    bound = gin.get_bindings(job.selector)
+    assert {"output_dir", "training"} <= set(bound)
+    for value in bound.values():  # every binding names a real field
+      if isinstance(value, gin.config.ConfigurableReference) and value.evaluate:
+        value.scoped_configurable_fn()
     return
-  if "train_heads.train" in config.read_text():  # python -m specjax.train_heads configs
-    from specjax import train_heads  # pylint: disable=import-outside-toplevel
-    assert {"output_dir", "target", "heads_spec", "teacher", "training"} <= set(
-        gin.get_bindings(train_heads.train))
-    gin.get_configurable(train_heads.HeadsSpec)()
-    return
-  if "train.train" in config.read_text():  # python -m specjax.train configs (T5 training)
-    from specjax import train  # pylint: disable=import-outside-toplevel
-    assert {"output_dir", "task", "model", "training"} <= set(gin.get_bindings(train.train))
-    for spec in (train.TaskSpec, train.T5Shape):  # every binding names a real field
-      gin.get_configurable(spec)()
-    return
-  job = gin.query_parameter("run.main.job")  # every run config names its job
-  bound = gin.get_bindings(job.selector)
-  assert {"output_dir", "target", "prompts", "decode"} <= set(bound)
-  for spec in (run.ModelSpec, run.PromptSpec, run.DecodeSpec):  # every binding names a real field
-    gin.get_configurable(spec)()
+  job = gin.query_parameter("run.main.job").scoped_configurable_fn()
+  for name in ("output_dir", "target", "prompts", "decode"):
+    assert hasattr(job, name)
+
+
+def _with_includes(config: pathlib.Path) -> str:
+  text = config.read_text()
+  for included in re.findall(r'^include "([^"]+)"', text, flags=re.M):
+    text += _with_includes(CONFIG_DIR.parent / included)
+  return text
 
 
 def _tiny(tmp_path, *extra):
   run.parse_gin([str(CONFIG_DIR / "smollm2_generate.gin")], [
-      f"run.generate.output_dir = '{tmp_path}'", "run.PromptSpec.limit = 2",
-      "run.PromptSpec.batch_size = 2", "run.DecodeSpec.max_new_tokens = 6", *extra])
+      f"generation.Generate.output_dir = '{tmp_path}'", "specs.PromptSpec.limit = 2",
+      "specs.PromptSpec.batch_size = 2", "specs.DecodeSpec.max_new_tokens = 6", *extra])
   return gin.get_configurable(run.main)()
 
 
@@ -79,18 +76,18 @@ def test_output_dir_with_rows_of_another_config_is_refused(tmp_path):
 
 def test_unknown_binding_and_missing_checkpoint_are_clear(tmp_path):
   with pytest.raises(ValueError, match="no_such_parameter"):
-    _tiny(tmp_path, "run.DecodeSpec.no_such_parameter = 3")
+    _tiny(tmp_path, "specs.DecodeSpec.no_such_parameter = 3")
   gin.clear_config()
   with pytest.raises(FileNotFoundError, match="does not exist"):
-    _tiny(tmp_path / "x", "run.ModelSpec.checkpoint = '/nonexistent/model.gguf'")
+    _tiny(tmp_path / "x", "specs.ModelSpec.checkpoint = '/nonexistent/model.gguf'")
   gin.clear_config()
   with pytest.raises(ValueError, match="temperature must be >= 0"):
-    _tiny(tmp_path / "y", "run.DecodeSpec.temperature = -1.0")
+    _tiny(tmp_path / "y", "specs.DecodeSpec.temperature = -1.0")
 
 
 def _tiny_sweep(tmp_path, *extra):
   run.parse_gin([str(CONFIG_DIR / "smollm2_default.gin")], [
-      f"speculative_sweep.sweep.output_dir = '{tmp_path}'", "run.DecodeSpec.max_new_tokens = 8",
+      f"speculative_sweep.Sweep.output_dir = '{tmp_path}'", "specs.DecodeSpec.max_new_tokens = 8",
       "speculative_sweep.SweepSpec.tasks = ('humaneval',)",
       "speculative_sweep.SweepSpec.drafters = ('lookup',)",
       "speculative_sweep.SweepSpec.gammas = (1, 3)",
@@ -143,7 +140,7 @@ def test_sweep_refuses_gamma_below_one(tmp_path):
 
 def _tiny_tree_sweep(tmp_path, *extra):
   run.parse_gin([str(CONFIG_DIR / "smollm2_trees.gin")], [
-      f"tree_sweep.sweep.output_dir = '{tmp_path}'", "run.DecodeSpec.max_new_tokens = 8",
+      f"tree_sweep.TreeSweep.output_dir = '{tmp_path}'", "specs.DecodeSpec.max_new_tokens = 8",
       "tree_sweep.TreeSweepSpec.drafters = ('lookup',)",
       "tree_sweep.TreeSweepSpec.trees = ('spine:2x2',)",
       "tree_sweep.TreeSweepSpec.temperatures = (0.0, 1.0)",

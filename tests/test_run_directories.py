@@ -15,7 +15,7 @@ import pytest
 
 from conftest import generation_gin, random_decoder_params, random_t5_params, tiny_t5_files
 from experiments import speculative_sweep
-from specjax import checkpoints, loading, outputs, run
+from specjax import checkpoints, drafters, loading, outputs, run, specs
 from specjax.checkpoints import hf, hf_t5
 from specjax.models import decoder_only, t5
 
@@ -67,16 +67,16 @@ def test_weights_changed_behind_the_path_are_refused_naming_the_model(t5_files, 
 def test_a_changed_draft_is_refused_by_name(t5_files, model_dir, tmp_path):
   """The sweep's spec carries a content key per model drafter; RunDirectory names the one that
   changed (the sweep itself is exercised end to end in test_run*.py)."""
-  target = run.ModelSpec(checkpoint=str(t5_files[0]))
+  target = specs.ModelSpec(checkpoint=str(t5_files[0]))
   drafter_names = ("lookup", f"lookup+model:{model_dir}")
-  spec = {"sweep": "grid", "content_keys": run.content_keys(target, drafter_names)}
+  spec = {"sweep": "grid", "content_keys": loading.content_keys(target, drafters.checkpoints_of(drafter_names))}
   assert set(spec["content_keys"]) == {"target", f"lookup+model:{model_dir}"}
   out = tmp_path / "sweep"
   with outputs.RunDirectory(out, spec, "results.jsonl", "sweep_fingerprint") as run_dir, \
        outputs.RowsFile(run_dir.results, run_dir.fingerprint, "sweep_fingerprint") as rows:
     rows.append({"point_id": "a", "alpha": 0.5})
   hf_t5.save(model_dir, CONFIG, random_t5_params(CONFIG, seed=5))
-  spec = {"sweep": "grid", "content_keys": run.content_keys(target, drafter_names)}
+  spec = {"sweep": "grid", "content_keys": loading.content_keys(target, drafters.checkpoints_of(drafter_names))}
   with pytest.raises(ValueError, match=f"the weights of 'lookup\\+model:{model_dir}' changed"):
     with outputs.RunDirectory(out, spec, "results.jsonl", "sweep_fingerprint"):
       pass

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import generation_gin, random_t5_params, tiny_t5_files
-from specjax import contracts, data, loading, run, vocabulary
+from specjax import contracts, loading, run, vocabulary
+from specjax.data import prompts
 from specjax.checkpoints import hf_t5, t5x
 from specjax.models import t5
 
@@ -102,7 +103,7 @@ def test_bad_vocabulary_and_long_sources_are_refused(t5_dirs, tmp_path):
   hf_dir, t5x_dir, vocab_path, _, texts = t5_dirs
   with pytest.raises(ValueError, match="holds no vocabulary; pass its SentencePiece model"):
     loading.load_model(str(t5x_dir))
-  big = vocabulary.train([t for pair in data.django_de_pairs() for t in pair],
+  big = vocabulary.train([t for pair in prompts.django_de_pairs() for t in pair],
                          tmp_path / "big.model", vocab_size=300)
   with pytest.raises(ValueError, match="300 tokens but the model only 128 logits"):
     loading.load_model(str(t5x_dir), str(tmp_path / "big.model"))
@@ -128,9 +129,9 @@ def test_t5_sweep_end_to_end(t5_dirs, tmp_path):
   draft_dir = _random_draft(tmp_path / "draft", vocab_path)
   gin.clear_config()
   run.parse_gin([str(pathlib.Path(__file__).parent.parent / "configs" / "smollm2_default.gin")], [
-      f"speculative_sweep.sweep.output_dir = '{tmp_path / 'sweep'}'",
-      f"run.ModelSpec.checkpoint = '{hf_dir}'", "run.PromptSpec.style = 't5'",
-      "run.DecodeSpec.max_new_tokens = 8",
+      f"speculative_sweep.Sweep.output_dir = '{tmp_path / 'sweep'}'",
+      f"specs.ModelSpec.checkpoint = '{hf_dir}'", "specs.PromptSpec.style = 't5'",
+      "specs.DecodeSpec.max_new_tokens = 8",
       f"speculative_sweep.SweepSpec.tasks = ('{prompts}',)",
       f"speculative_sweep.SweepSpec.drafters = ('model:{draft_dir}', 'lookup')",
       "speculative_sweep.SweepSpec.gammas = (2,)", "speculative_sweep.SweepSpec.temperatures = (0.0,)",
@@ -154,8 +155,8 @@ def test_t5_tree_sweep_end_to_end(t5_dirs, tmp_path):
   draft_dir = _random_draft(tmp_path / "draft", vocab_path)
   gin.clear_config()
   run.parse_gin([str(pathlib.Path(__file__).parent.parent / "configs" / "t5_gettext" / "trees.gin")], [
-      f"tree_sweep.sweep.output_dir = '{tmp_path / 'trees'}'",
-      f"run.ModelSpec.checkpoint = '{hf_dir}'", "run.DecodeSpec.max_new_tokens = 8",
+      f"tree_sweep.TreeSweep.output_dir = '{tmp_path / 'trees'}'",
+      f"specs.ModelSpec.checkpoint = '{hf_dir}'", "specs.DecodeSpec.max_new_tokens = 8",
       f"tree_sweep.TreeSweepSpec.tasks = ('{prompts}',)",
       f"tree_sweep.TreeSweepSpec.drafters = ('model:{draft_dir}', 'lookup')",
       "tree_sweep.TreeSweepSpec.trees = ('spine:2x2',)",
@@ -183,8 +184,8 @@ def test_t5_tree_sweep_refuses_heads_before_writing(t5_dirs, tmp_path):
   (heads_dir / "heads.json").write_text("{}")
   gin.clear_config()
   run.parse_gin([str(pathlib.Path(__file__).parent.parent / "configs" / "t5_gettext" / "trees.gin")], [
-      f"tree_sweep.sweep.output_dir = '{tmp_path / 'trees'}'",
-      f"run.ModelSpec.checkpoint = '{hf_dir}'", f"tree_sweep.TreeSweepSpec.tasks = ('{prompts}',)",
+      f"tree_sweep.TreeSweep.output_dir = '{tmp_path / 'trees'}'",
+      f"specs.ModelSpec.checkpoint = '{hf_dir}'", f"tree_sweep.TreeSweepSpec.tasks = ('{prompts}',)",
       f"tree_sweep.TreeSweepSpec.drafters = ('lookup', 'lookup+mtp:{heads_dir}')"])
   try:
     with pytest.raises(ValueError, match="decoder-only targets only.*chain drafter's top-k"):

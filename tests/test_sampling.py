@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax import sampling
+from specjax.decoding import sampling
 
 LOGITS = jnp.log(jnp.array([0.05, 0.4, 0.1, 0.25, 0.2]))
 

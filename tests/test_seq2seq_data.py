@@ -2,12 +2,12 @@
 
 import collections
 
-from specjax import data, seq2seq_data
+from specjax.data import prompts, gettext
 
 
 def test_corpus_is_large_and_multilingual():
-  pairs = seq2seq_data.gettext_pairs()
-  train = seq2seq_data.examples("gettext_translate", "train")
+  pairs = gettext.gettext_pairs()
+  train = gettext.examples("gettext_translate", "train")
   assert len(train) >= 50_000  # the floor for training pairs (django==5.2.19: 51,755)
   locales = collections.Counter(e["locale"] for e in train)
   assert len(locales) >= 90 and "de" in locales and not any(l.startswith("en") for l in locales)
@@ -17,11 +17,11 @@ def test_corpus_is_large_and_multilingual():
 
 
 def test_splits_are_deterministic_and_disjoint_in_every_locale():
-  pairs = seq2seq_data.gettext_pairs()
+  pairs = gettext.gettext_pairs()
   by_split = collections.defaultdict(set)
   for pair in pairs:
-    by_split[seq2seq_data.split_of(pair.message)].add(pair.english)
-    by_split["message:" + seq2seq_data.split_of(pair.message)].add(pair.message)
+    by_split[gettext.split_of(pair.message)].add(pair.english)
+    by_split["message:" + gettext.split_of(pair.message)].add(pair.message)
   # No English text (a message or a plural form) is in two splits, in any locale.
   assert not by_split["train"] & by_split["heldout"]
   assert not by_split["train"] & by_split["validation"]
@@ -31,25 +31,25 @@ def test_splits_are_deterministic_and_disjoint_in_every_locale():
   messages = len({p.message for p in pairs})
   assert 0.15 < len(by_split["message:heldout"]) / messages < 0.25
   assert 0.01 < len(by_split["message:validation"]) / messages < 0.06
-  assert seq2seq_data.split_of("Save and continue editing") == seq2seq_data.split_of(
+  assert gettext.split_of("Save and continue editing") == gettext.split_of(
       "Save and continue editing")
-  heldout_inputs = {e["inputs"].split(": ", 1)[1] for e in seq2seq_data.examples("gettext_ende",
+  heldout_inputs = {e["inputs"].split(": ", 1)[1] for e in gettext.examples("gettext_ende",
                                                                                 "heldout")}
   train_inputs = {e["inputs"].split(": ", 1)[1]
-                  for e in seq2seq_data.examples("gettext_translate", "train")}
+                  for e in gettext.examples("gettext_translate", "train")}
   assert heldout_inputs and not heldout_inputs & train_inputs
   # The evaluation prompt set splits exactly like the task: its held-out prompts are held out here.
-  prompt_set = data.load_prompt_set("gettext_ende", "heldout", style="t5")
+  prompt_set = prompts.load_prompt_set("gettext_ende", "heldout", style="t5")
   assert len(prompt_set) > 100
-  assert all(seq2seq_data.split_of(p.split(": ", 1)[1]) == "heldout" for p in prompt_set.prompts)
+  assert all(gettext.split_of(p.split(": ", 1)[1]) == "heldout" for p in prompt_set.prompts)
   # The older `ende` set (the core catalog alone) agrees too.
-  ende = data.load_prompt_set("ende", "heldout", style="t5")
+  ende = prompts.load_prompt_set("ende", "heldout", style="t5")
   assert not {p.split(": ", 1)[1] for p in ende.prompts} & train_inputs
 
 
 def test_unknown_task_and_split_are_named():
   import pytest
   with pytest.raises(ValueError, match="offline tasks are"):
-    seq2seq_data.examples("gettext_klingon", "train")
+    gettext.examples("gettext_klingon", "train")
   with pytest.raises(ValueError, match="splits"):
-    seq2seq_data.examples("gettext_ende", "test")
+    gettext.examples("gettext_ende", "test")

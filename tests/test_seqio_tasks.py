@@ -1,9 +1,9 @@
-"""specjax.seqio_tasks: the seqio tasks yield what their sources hold, tokenized as specjax would.
+"""specjax.data.seqio_tasks: the seqio tasks yield what their sources hold, tokenized as specjax would.
 
 Oracles: the TFDS tasks under `tfds.testing.mock_data` (offline random text) are compared with the
 raw mock examples read through `tfds.load` and encoded by specjax's own SentencePiece wrapper
 (`vocabulary.encode`, EOS appended), and decoded back to the prefixed text; the gettext tasks with
-`seq2seq_data.examples` encoded the same way. The vocabulary is a 500-piece model trained on the
+`gettext.examples` encoded the same way. The vocabulary is a 500-piece model trained on the
 gettext training texts in a temporary directory. The last tests need no TensorFlow: no specjax
 module imports it (the subprocess check), and a missing extra says how to install it.
 """
@@ -17,7 +17,8 @@ import textwrap
 
 import pytest
 
-from specjax import seq2seq_data, seqio_tasks, vocabulary
+from specjax import vocabulary
+from specjax.data import gettext, seqio_tasks
 
 EOS = 1
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -26,7 +27,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def vocab(tmp_path_factory):
   path = tmp_path_factory.mktemp("seqio_vocabulary") / "spiece.model"
-  return vocabulary.train(seq2seq_data.texts_for_vocabulary("gettext_ende"), path, vocab_size=500)
+  return vocabulary.train(gettext.texts_for_vocabulary("gettext_ende"), path, vocab_size=500)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_paper_tasks_yield_prefixed_tokenized_mock_examples(libs, vocab, tmp_pat
 
 
 def test_gettext_tasks_yield_seq2seq_data_examples(libs, vocab):
-  heldout = seq2seq_data.examples("gettext_ende", "heldout")
+  heldout = gettext.examples("gettext_ende", "heldout")
   examples = seqio_tasks.tokenized_examples("specjax_gettext_ende", "heldout", vocab.source)
   assert len(examples) == len(heldout) > 100
   for example, source in zip(examples, heldout):
@@ -81,7 +82,7 @@ def test_gettext_tasks_yield_seq2seq_data_examples(libs, vocab):
   # one letter, "uuuuuu" = "uuuuu" + "u" or "u" + "uuuuu") otherwise than the Python library specjax
   # encodes with: ~2 % of the multilingual examples (3 of the first 30) get other, equally
   # valid ids, that decode to the same text.
-  multilingual = seq2seq_data.examples("gettext_translate", "validation")[:30]
+  multilingual = gettext.examples("gettext_translate", "validation")[:30]
   first = seqio_tasks.tokenized_examples("specjax_gettext_translate", "validation", vocab.source,
                                          limit=30)
   assert len(first) == 30
@@ -102,7 +103,7 @@ def test_sequence_length_trims_before_eos(libs, vocab):
   lengths = {"inputs": 6, "targets": 3}
   trimmed = seqio_tasks.tokenized_examples("specjax_gettext_ende", "validation", vocab.source,
                                            limit=5, sequence_length=lengths)
-  for example, source in zip(trimmed, seq2seq_data.examples("gettext_ende", "validation")):
+  for example, source in zip(trimmed, gettext.examples("gettext_ende", "validation")):
     for name, length in lengths.items():
       whole = vocab.encode(source[name], add_eos=False)
       assert _ids(example[name]) == whole[:length - 1] + [EOS]
@@ -110,9 +111,9 @@ def test_sequence_length_trims_before_eos(libs, vocab):
 
 def test_registering_another_vocabulary_replaces_the_tasks(libs, vocab, tmp_path):
   seqio = libs.seqio
-  other = vocabulary.train(seq2seq_data.texts_for_vocabulary("gettext_ende"),
+  other = vocabulary.train(gettext.texts_for_vocabulary("gettext_ende"),
                            tmp_path / "spiece.model", vocab_size=200)
-  source = seq2seq_data.examples("gettext_ende", "validation")[0]
+  source = gettext.examples("gettext_ende", "validation")[0]
   assert other.encode(source["inputs"]) != vocab.encode(source["inputs"])
   # tokenized_examples re-registers on demand when asked for another vocabulary.
   [example] = seqio_tasks.tokenized_examples("specjax_gettext_ende", "validation", other.source,
@@ -209,10 +210,10 @@ def test_no_specjax_module_imports_tensorflow():
 
       names = [info.name for info in pkgutil.walk_packages(specjax.__path__, "specjax.")]
       for name in names:
-        if name != "specjax.seqio_tasks":
+        if name != "specjax.data.seqio_tasks":
           importlib.import_module(name)
           assert not loaded(), (name, loaded())
-      import specjax.seqio_tasks  # lazy too: TensorFlow only once a task is used
+      import specjax.data.seqio_tasks  # lazy too: TensorFlow only once a task is used
       assert not loaded(), loaded()
       print(len(names))
       """)
@@ -223,7 +224,7 @@ def test_missing_extra_says_how_to_install_it():
   _run_python("""
       import sys
       sys.modules["seqio"] = None  # as if the tasks extra were not installed
-      from specjax import seqio_tasks
+      from specjax.data import seqio_tasks
       assert "specjax_xsum" in seqio_tasks.TASKS
       for needs_tensorflow in (seqio_tasks.require_tensorflow,
                                lambda: seqio_tasks.check_registered("specjax_wmt_t2t_ende")):

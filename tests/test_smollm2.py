@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import assets, autoregressive, data
+from specjax import assets
+from specjax.decoding import autoregressive
+from specjax.data import prompts
 from specjax.models import decoder_only
 
 pytestmark = pytest.mark.slow
@@ -28,9 +30,9 @@ def peer():
 def real_prompts(smollm2):
   """Token ids of a few real prompts of each kind (the peer gets the same ids, not text)."""
   _, _, tok = smollm2
-  texts = (list(data.load_prompt_set("humaneval", limit=2).prompts)
-           + list(data.load_prompt_set("news", limit=1).prompts)
-           + list(data.load_prompt_set("ende", limit=1).prompts))
+  texts = (list(prompts.load_prompt_set("humaneval", limit=2).prompts)
+           + list(prompts.load_prompt_set("news", limit=1).prompts)
+           + list(prompts.load_prompt_set("ende", limit=1).prompts))
   # News articles are long; a 200-token prefix keeps the peer's forward pass quick.
   return [tok.encode(t)[:200] for t in texts]
 
@@ -56,7 +58,7 @@ def test_greedy_generation_equals_hugging_face(smollm2, peer, real_prompts):
   shape = autoregressive.DecodeShape(new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id)
   generate = autoregressive.make_generate(
       decoder_only.model(config), shape)
-  tokens, lengths = data.make_batch(real_prompts, tok.pad_id, bucket=32)
+  tokens, lengths = prompts.make_batch(real_prompts, tok.pad_id, bucket=32)
   batched = generate(params, tokens, lengths, jax.random.PRNGKey(0), 0.0, 1.0)
   for row, ids in enumerate(real_prompts):
     with torch.no_grad():

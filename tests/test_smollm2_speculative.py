@@ -7,7 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from specjax import autoregressive, data, drafters, speculative
+from specjax import drafters, speculative
+from specjax.decoding import autoregressive
+from specjax.data import prompts
 from specjax.contracts import StepModel
 from specjax.models import decoder_only
 
@@ -21,11 +23,11 @@ def batch_and_expected(smollm2):
   """Three real held-out prompts of mixed lengths (code, translation, news) in one right-padded batch,
   and the target-only greedy continuation of each."""
   config, params, tok = smollm2
-  texts = (list(data.load_prompt_set("humaneval", "heldout", limit=2).prompts)
-           + list(data.load_prompt_set("ende", "heldout", limit=1).prompts))
+  texts = (list(prompts.load_prompt_set("humaneval", "heldout", limit=2).prompts)
+           + list(prompts.load_prompt_set("ende", "heldout", limit=1).prompts))
   ids = [tok.encode(text) for text in texts]
   assert len({len(i) for i in ids}) == len(ids)  # really ragged
-  tokens, lengths = data.make_batch(ids, tok.pad_id, bucket=32)
+  tokens, lengths = prompts.make_batch(ids, tok.pad_id, bucket=32)
   step = decoder_only.make_step(config)
   init_cache = functools.partial(decoder_only.init_cache, config)
   expected = autoregressive.make_generate(StepModel(step, init_cache), autoregressive.DecodeShape(
@@ -36,7 +38,7 @@ def batch_and_expected(smollm2):
 
 def _drafter(kind, config, params, tok):
   if kind == "sparse bigram":
-    train = data.load_prompt_set("humaneval", "train")
+    train = prompts.load_prompt_set("humaneval", "train")
     text = [tok.encode(p + r) for p, r in zip(train.prompts, train.references)]
     return drafters.SparseBigramDrafter(), drafters.sparse_bigram(text, config.vocab_size, top_k=32)
   draft_config, draft_params = decoder_only.truncate_layers(config, params, 2)

@@ -12,7 +12,8 @@ from scipy import stats
 
 from conftest import (BigramDrafter, assert_follows_laws, bigram_from_step, bigram_marginals,
                       bigram_model, random_decoder_params)
-from specjax import autoregressive, drafters, metrics, sampling, speculative, theory, timing
+from specjax import drafters, metrics, speculative, theory, timing
+from specjax.decoding import autoregressive, sampling
 from specjax.contracts import StepModel
 from specjax.models import decoder_only
 

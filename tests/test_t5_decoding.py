@@ -14,8 +14,8 @@ from scipy import stats
 
 from conftest import (BigramDrafter, LengthsCache, bigram_model, ragged_source, random_t5_params,
                       run_check_on_8_devices)
-from specjax import (autoregressive, contracts, drafters, sampling, speculative, tree_drafters,
-                     trees)
+from specjax import contracts, drafters, speculative, tree_drafters, trees
+from specjax.decoding import autoregressive, sampling
 from specjax.checkpoints import hf_t5
 from specjax.models import decoder_only, t5
 

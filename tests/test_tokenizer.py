@@ -16,7 +16,8 @@ import json
 
 import pytest
 
-from specjax import assets, data
+from specjax import assets
+from specjax.data import prompts
 from specjax.tokenizer import SMOLLM2_SYSTEM_PROMPT, Tokenizer, render_chatml, smollm2_tokenizer
 
 import tokenizers
@@ -108,16 +109,16 @@ def test_matches_oracle_on_hard_strings(tok, oracle, text):
 
 
 def test_matches_oracle_on_humaneval_and_news(tok, oracle):
-  texts = [p["prompt"] for p in data.humaneval_problems()]
-  texts += [article for _, article in data.lee_articles()]
+  texts = [p["prompt"] for p in prompts.humaneval_problems()]
+  texts += [article for _, article in prompts.lee_articles()]
   expected = [e.ids for e in oracle.encode_batch(texts)]
   mismatched = [i for i, (text, ids) in enumerate(zip(texts, expected)) if tok.encode(text) != ids]
   assert not mismatched
 
 
 def test_round_trip_humaneval_and_news(tok):
-  texts = [p["prompt"] for p in data.humaneval_problems()]
-  texts += [article for _, article in data.lee_articles()]
+  texts = [p["prompt"] for p in prompts.humaneval_problems()]
+  texts += [article for _, article in prompts.lee_articles()]
   assert len(texts) == 164 + 350
   assert [tok.decode(tok.encode(text)) for text in texts] == texts
 
@@ -127,7 +128,7 @@ def test_round_trip_humaneval_and_news(tok):
 # Per prompt set: (texts, tokens, sha256 of json.dumps(list of id lists)), produced once by
 # specjax's earlier hand-written BPE encoder (specjax/tokenizer.py before it built on `tokenizers`),
 # run on a checkout of that commit as [smollm2_tokenizer().encode(t) for t in texts] over
-# data.load_prompt_set(name, 'all', style=style).prompts and the ende references (news has none).
+# prompts.load_prompt_set(name, 'all', style=style).prompts and the ende references (news has none).
 _HUMANEVAL = (164, 22841, "f38d90eee2ecdce816c64518be52e56764e3653aaf1341ec090616c89f545971")
 GOLDEN = {
     "humaneval/chat": _HUMANEVAL,  # HumanEval prompts are raw code in every style
@@ -151,9 +152,9 @@ MISSING_BYTES = (0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, *ra
 def _prompt_set_texts():
   for name in ("humaneval", "news", "ende"):
     for style in ("chat", "plain", "t5"):
-      yield f"{name}/{style}", data.load_prompt_set(name, "all", style=style).prompts
-  references = data.load_prompt_set("ende", "all").references
-  assert not any(data.load_prompt_set("news", "all").references)  # news has no references
+      yield f"{name}/{style}", prompts.load_prompt_set(name, "all", style=style).prompts
+  references = prompts.load_prompt_set("ende", "all").references
+  assert not any(prompts.load_prompt_set("news", "all").references)  # news has no references
   yield "ende/references", references
 
 
@@ -286,7 +287,7 @@ def test_from_hf_json_saved_by_tokenizers(tok, oracle, gguf_tokenizer_fields, tm
   hf = Tokenizer.from_hf_json(tmp_path)
   assert (hf.vocab_size, hf.bos_id, hf.eos_id, hf.pad_id) == (49152, 1, 2, 2)
   assert hf.special_ids == tok.special_ids
-  texts = DIGIT_HEAVY + [SPECIAL_TEXT] + [p["prompt"] for p in data.humaneval_problems()[:20]]
+  texts = DIGIT_HEAVY + [SPECIAL_TEXT] + [p["prompt"] for p in prompts.humaneval_problems()[:20]]
   assert [hf.encode(t) for t in texts] == [tok.encode(t) for t in texts]
   messages = CONVERSATIONS[0]
   assert hf.apply_chat_template(messages) == tok.apply_chat_template(messages)

@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 
 from conftest import random_decoder_params
-from specjax import checkpoints, drafters, metrics, speculative, teacher, train_draft, training
+from specjax import checkpoints, drafters, metrics, speculative
+from specjax.training import teacher, draft_model, trainer
 from specjax.checkpoints import hf
 from specjax.models import decoder_only
 
 TARGET = decoder_only.SIZES["tiny"]  # vocab 128
-SHAPE = train_draft.DraftShape(embed_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+SHAPE = draft_model.DraftShape(embed_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                                mlp_dim=64, head_size=96)
 DRAFT = SHAPE.config(TARGET)
-SPEC = training.TrainSpec(steps=200, tokens_per_batch=512, learning_rate=1e-2, warmup_steps=10,
+SPEC = trainer.TrainSpec(steps=200, tokens_per_batch=512, learning_rate=1e-2, warmup_steps=10,
                              checkpoint_every=50, bucket=16, validation_fraction=0.2)
 
 
@@ -36,11 +37,11 @@ def _setup():
                                 [str(p) for p in prompts], max_new_tokens=24, samples=1,
                                 top_k=16, batch_size=16, eos_id=None, pad_id=0, seed=0)
   train, val = teacher.split_validation(seqs, SPEC.validation_fraction)
-  head = train_draft.choose_head_tokens(train, TARGET.vocab_size, SHAPE.head_size)
-  index_map = train_draft.head_index_map(TARGET.vocab_size, head)
-  batches = lambda s: [train_draft.batch_arrays(s, m, SPEC.bucket, index_map)
-                       for m in train_draft.make_batches(s, SPEC.tokens_per_batch, SPEC.bucket)]
-  init = train_draft.init_draft_params(DRAFT, TARGET, target_params, head, seed=0)
+  head = draft_model.choose_head_tokens(train, TARGET.vocab_size, SHAPE.head_size)
+  index_map = draft_model.head_index_map(TARGET.vocab_size, head)
+  batches = lambda s: [draft_model.batch_arrays(s, m, SPEC.bucket, index_map)
+                       for m in draft_model.make_batches(s, SPEC.tokens_per_batch, SPEC.bucket)]
+  init = draft_model.init_draft_params(DRAFT, TARGET, target_params, head, seed=0)
   return target_params, seqs, train, val, head, batches(train), batches(val), init
 
 
@@ -82,9 +83,9 @@ def _acceptance(target_params, draft_params, seed):
 
 def test_distillation_lowers_kl_and_raises_acceptance(tmp_path):
   target_params, _, _, _, _, train_batches, val_batches, init = _setup()
-  trainer = train_draft.Trainer(DRAFT, SPEC)
+  trainer = draft_model.Trainer(DRAFT, SPEC)
   before = trainer.evaluate(decoder_only.model_params(init), val_batches)
-  params, losses = training.fit(trainer, decoder_only.model_params(init), train_batches, 0,
+  params, losses = trainer.fit(trainer, decoder_only.model_params(init), train_batches, 0,
                                 tmp_path / "ckpt")
   after = trainer.evaluate(params, val_batches)
   assert after["kl"] < 0.5 * before["kl"], (before, after)
@@ -101,13 +102,13 @@ def test_interrupted_run_resumes_to_the_same_parameters(tmp_path):
   _, _, _, _, _, train_batches, _, init = _setup()
   spec = dataclasses.replace(SPEC, steps=30, checkpoint_every=10)
   init = decoder_only.model_params(init)
-  straight, _ = training.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0,
+  straight, _ = trainer.fit(draft_model.Trainer(DRAFT, spec), init, train_batches, 0,
                              tmp_path / "straight")
-  _, first = training.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0,
+  _, first = trainer.fit(draft_model.Trainer(DRAFT, spec), init, train_batches, 0,
                           tmp_path / "resumed", stop_after_step=17)
   assert first[-1][0] == 17
   # A new process would rebuild everything: a fresh Trainer, the same initial params and data.
-  resumed, second = training.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0,
+  resumed, second = trainer.fit(draft_model.Trainer(DRAFT, spec), init, train_batches, 0,
                                  tmp_path / "resumed")
   assert second[0][0] == 20 and second[-1][0] == 30  # resumed after 17, not from 0
   for a, b in zip(jax.tree_util.tree_leaves(straight), jax.tree_util.tree_leaves(resumed)):
@@ -121,10 +122,10 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capl
   _, _, _, _, _, train_batches, _, init = _setup()
   spec = dataclasses.replace(SPEC, steps=30, checkpoint_every=10)
   init = decoder_only.model_params(init)
-  straight, _ = training.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0,
+  straight, _ = trainer.fit(draft_model.Trainer(DRAFT, spec), init, train_batches, 0,
                              tmp_path / "straight")
   ckpt = tmp_path / "resumed"
-  training.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0, ckpt, stop_after_step=25)
+  trainer.fit(draft_model.Trainer(DRAFT, spec), init, train_batches, 0, ckpt, stop_after_step=25)
   assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["20", "25"]
   for path in (ckpt / "25").rglob("*"):
     if path.is_file():
@@ -132,7 +133,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capl
   stale = ckpt / "30.orbax-checkpoint-tmp-1234"
   stale.mkdir()
   with caplog.at_level("WARNING"):
-    resumed, losses = training.fit(train_draft.Trainer(DRAFT, spec), init, train_batches, 0, ckpt)
+    resumed, losses = trainer.fit(draft_model.Trainer(DRAFT, spec), init, train_batches, 0, ckpt)
   assert losses[0][0] == 30 and len(losses) == 1  # steps 21..30 redone from step 20, logged at 30
   assert not stale.exists() and (tmp_path / "resumed.corrupt" / "25").is_dir()
   assert any(f"checkpoint at step 25 ({ckpt / '25'}) does not restore" in r.getMessage()
@@ -142,7 +143,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capl
 
 
 def test_batch_order_is_a_permutation_per_epoch():
-  order = [training.batch_order(7, step, seed=3) for step in range(21)]
+  order = [trainer.batch_order(7, step, seed=3) for step in range(21)]
   for epoch in range(3):
     assert sorted(order[7 * epoch:7 * epoch + 7]) == list(range(7))
   assert order[:7] != order[7:14]
@@ -200,7 +201,7 @@ def test_training_data_and_draft_errors(tmp_path):
                            max_new_tokens=4, samples=0, top_k=4, batch_size=2, eos_id=None,
                            pad_id=0, seed=0)
   with pytest.raises(ValueError, match="vocabulary"):
-    train_draft.check_draft_matches(dataclasses.replace(DRAFT, vocab_size=256, head_size=0), TARGET)
+    draft_model.check_draft_matches(dataclasses.replace(DRAFT, vocab_size=256, head_size=0), TARGET)
   with pytest.raises(ValueError, match="one entry per task"):
     teacher.TeacherSpec(tasks=("humaneval",), max_new_tokens=(8, 8), samples=(0,),
                         prompts_per_task=(0,))
@@ -215,7 +216,7 @@ def test_a_draft_of_another_vocabulary_is_refused_before_training(tmp_path):
   other = random_decoder_params(TARGET, seed=0)  # 128 tokens, the embedded target has 49,152
   hf.save(tmp_path / "other", TARGET, other)
   with pytest.raises(ValueError, match="vocabulary of 128 tokens"):
-    train_draft.train(output_dir=str(tmp_path / "out"), init_from=str(tmp_path / "other"))
+    draft_model.train(output_dir=str(tmp_path / "out"), init_from=str(tmp_path / "other"))
 
 
 def test_the_embedded_default_draft_config_is_the_library_default():
@@ -226,7 +227,7 @@ def test_the_embedded_default_draft_config_is_the_library_default():
   gin.clear_config()
   try:
     run.parse_gin([str(pathlib.Path(__file__).parent.parent / "configs" / "smollm2_draft.gin")], [])
-    for spec in (train_draft.DraftShape, teacher.TeacherSpec, training.TrainSpec):
+    for spec in (draft_model.DraftShape, teacher.TeacherSpec, trainer.TrainSpec):
       assert gin.get_configurable(spec)() == spec(), spec
   finally:
     gin.clear_config()

@@ -1,4 +1,4 @@
-"""`specjax.train`: a tiny T5 on the offline gettext task learns, resumes exactly, exports losslessly
+"""`specjax.training.seq2seq`: a tiny T5 on the offline gettext task learns, resumes exactly, exports losslessly
 (T5X and Hugging Face), fine-tunes, and refuses bad input with the fix in the message."""
 
 import dataclasses
@@ -8,37 +8,39 @@ import jax
 import numpy as np
 import pytest
 
-from specjax import checkpoints, seq2seq_data, t5_training, train, training
+from specjax import checkpoints
+from specjax.data import gettext
+from specjax.training import seq2seq_steps, seq2seq, trainer
 from specjax import vocabulary as vocabularies
 from specjax.models import t5
 
-SHAPE = train.T5Shape(embed_dim=32, num_encoder_layers=1, num_decoder_layers=1, num_heads=2,
+SHAPE = seq2seq.T5Shape(embed_dim=32, num_encoder_layers=1, num_decoder_layers=1, num_heads=2,
                       head_dim=16, mlp_dim=64)
-SPEC = training.TrainSpec(steps=30, tokens_per_batch=512, learning_rate=1e-2, warmup_steps=5,
+SPEC = trainer.TrainSpec(steps=30, tokens_per_batch=512, learning_rate=1e-2, warmup_steps=5,
                           checkpoint_every=10, bucket=16)
 
 
 @pytest.fixture(scope="module")
 def vocabulary_path(tmp_path_factory):
   path = tmp_path_factory.mktemp("vocab") / "spiece.model"
-  vocabularies.train(seq2seq_data.texts_for_vocabulary("gettext_ende"), path, 400)
+  vocabularies.train(gettext.texts_for_vocabulary("gettext_ende"), path, 400)
   return str(path)
 
 
 def _task(vocabulary_path, **overrides):
   fields = dict(task="gettext_ende", vocabulary=vocabulary_path, max_input_length=32,
                 max_target_length=32)
-  return train.TaskSpec(**{**fields, **overrides})
+  return seq2seq.TaskSpec(**{**fields, **overrides})
 
 
 def _train(output_dir, vocabulary_path, spec=SPEC, **kwargs):
   kwargs.setdefault("task", _task(vocabulary_path))
-  return train.train(output_dir=str(output_dir), model=SHAPE, training=spec, **kwargs)
+  return seq2seq.train(output_dir=str(output_dir), model=SHAPE, training=spec, **kwargs)
 
 
 def test_batches_hold_every_example_once_in_few_shapes():
   pairs = [([5] * n, [6] * (n % 7 + 1)) for n in range(1, 60)]
-  batches = train.make_batches(pairs, tokens_per_batch=256, bucket=16)
+  batches = seq2seq.make_batches(pairs, tokens_per_batch=256, bucket=16)
   assert {b["inputs"].shape for b in batches} <= {(16, 16), (8, 32), (5, 48), (4, 64)}
   # Each example once: the mask counts its target tokens, the input lengths its source tokens.
   assert sum(b["mask"].sum() for b in batches) == sum(len(o) for _, o in pairs)
@@ -67,7 +69,7 @@ def test_training_lowers_validation_loss_and_exports(tmp_path, vocabulary_path):
   hf_config, hf_params = checkpoints.load(tmp_path / "run" / "hf")
   t5x_config, t5x_params = checkpoints.load(summary["t5x_export"])
   assert hf_config == t5x_config == t5.T5Config(**summary["config"])
-  from specjax.training import _checkpoint_manager  # the orbax state training ended with
+  from specjax.training.trainer import _checkpoint_manager  # the orbax state training ended with
   manager = _checkpoint_manager(tmp_path / "run" / "checkpoints", SPEC)
   final = manager.restore(SPEC.steps)["params"]
   for exported in (hf_params, t5x_params):
@@ -85,9 +87,9 @@ def test_hf_export_runs_in_transformers(tmp_path, vocabulary_path):
   config, params = checkpoints.load(tmp_path / "run" / "hf")
   model = T5ForConditionalGeneration.from_pretrained(tmp_path / "run" / "hf").eval()
   vocab = vocabularies.SentencePieceVocabulary.from_file(vocabulary_path)
-  pair = train.tokenized(_task(vocabulary_path), "validation", vocab, vocabulary_path, limit=1)[0]
-  batch = train.make_batches([pair], 64, 16)[0]
-  logits = t5_training.teacher_forced_logits(t5.model(config), params, batch)
+  pair = seq2seq.tokenized(_task(vocabulary_path), "validation", vocab, vocabulary_path, limit=1)[0]
+  batch = seq2seq.make_batches([pair], 64, 16)[0]
+  logits = seq2seq_steps.teacher_forced_logits(t5.model(config), params, batch)
   ours = np.asarray(logits)[0, :len(pair[1])]
   with torch.no_grad():
     theirs = model(input_ids=torch.tensor([pair[0]]),
@@ -124,11 +126,11 @@ def test_bad_input_is_refused_with_the_fix(tmp_path, vocabulary_path):
   base = str(tmp_path / "base" / "hf")
   # A checkpoint of another size than the config fine-tunes.
   with pytest.raises(ValueError, match=r"not the T5 this config fine-tunes: embed_dim 32 \(asked 512"):
-    train.train(output_dir=str(tmp_path / "b"), task=_task(vocabulary_path),
-                model=train.T5Shape(size="t5.1.1-small"), training=SPEC, init_checkpoint=base)
+    seq2seq.train(output_dir=str(tmp_path / "b"), task=_task(vocabulary_path),
+                model=seq2seq.T5Shape(size="t5.1.1-small"), training=SPEC, init_checkpoint=base)
   # A vocabulary with more ids than the model has logits.
   bigger = tmp_path / "bigger.model"
-  vocabularies.train(seq2seq_data.texts_for_vocabulary("gettext_ende"), bigger, 600)
+  vocabularies.train(gettext.texts_for_vocabulary("gettext_ende"), bigger, 600)
   with pytest.raises(ValueError, match="600 ids .* but the model has only 400 logits"):
     _train(tmp_path / "c", vocabulary_path, task=_task(str(bigger)), init_checkpoint=base)
   with pytest.raises(FileNotFoundError, match="no SentencePiece model"):
@@ -139,11 +141,11 @@ def _agreement_with(teacher_dir, student_dir, vocabulary_path) -> float:
   """Share of validation target positions where the student's argmax is the teacher's."""
   vocab = vocabularies.SentencePieceVocabulary.from_file(vocabulary_path)
   task = _task(vocabulary_path)
-  pairs = train.tokenized(task, task.validation_split, vocab, vocabulary_path, limit=200)
+  pairs = seq2seq.tokenized(task, task.validation_split, vocab, vocabulary_path, limit=200)
   (tc, tp), (sc, sp) = (checkpoints.load(d / "hf") for d in (teacher_dir, student_dir))
   agree = total = 0.0
-  for batch in train.make_batches(pairs, 512, 16):
-    argmax = [np.argmax(t5_training.teacher_forced_logits(t5.model(c), p, batch), -1)
+  for batch in seq2seq.make_batches(pairs, 512, 16):
+    argmax = [np.argmax(seq2seq_steps.teacher_forced_logits(t5.model(c), p, batch), -1)
               for c, p in ((tc, tp), (sc, sp))]
     agree += float(((argmax[0] == argmax[1]) * batch["mask"]).sum())
     total += float(batch["mask"].sum())
@@ -151,15 +153,15 @@ def _agreement_with(teacher_dir, student_dir, vocabulary_path) -> float:
 
 
 def test_distilled_draft_agrees_more_with_its_teacher(tmp_path, vocabulary_path):
-  """A draft distilled from a teacher (t5_training.Teacher) matches the teacher's argmax on held-out
+  """A draft distilled from a teacher (seq2seq_steps.Teacher) matches the teacher's argmax on held-out
   positions more often than the same draft trained on the references alone (same seed, steps and
   batches: deterministic on CPU, so no false failures); a teacher of another vocabulary is refused."""
   _train(tmp_path / "teacher", vocabulary_path, spec=dataclasses.replace(SPEC, steps=60))
-  small = train.T5Shape(embed_dim=16, num_encoder_layers=1, num_decoder_layers=1, num_heads=2,
+  small = seq2seq.T5Shape(embed_dim=16, num_encoder_layers=1, num_decoder_layers=1, num_heads=2,
                         head_dim=8, mlp_dim=32)
   common = dict(task=_task(vocabulary_path), model=small, training=SPEC, seed=1)
-  train.train(output_dir=str(tmp_path / "plain"), **common)
-  distilled = train.train(output_dir=str(tmp_path / "distilled"), **common,
+  seq2seq.train(output_dir=str(tmp_path / "plain"), **common)
+  distilled = seq2seq.train(output_dir=str(tmp_path / "distilled"), **common,
                           teacher=str(tmp_path / "teacher" / "hf"), teacher_weight=0.9)
   plain = json.loads((tmp_path / "plain" / "summary.json").read_text())
   agreement = {name: _agreement_with(tmp_path / "teacher", tmp_path / name, vocabulary_path)
@@ -169,9 +171,9 @@ def test_distilled_draft_agrees_more_with_its_teacher(tmp_path, vocabulary_path)
   for summary in (plain, distilled):
     assert summary["validation_after"]["loss"] < summary["validation_before"]["loss"] - 1.0
   other = tmp_path / "other.model"
-  vocabularies.train(seq2seq_data.texts_for_vocabulary("gettext_ende"), other, 300)
+  vocabularies.train(gettext.texts_for_vocabulary("gettext_ende"), other, 300)
   with pytest.raises(ValueError, match="another vocabulary .* set TaskSpec.vocabulary to the teacher"):
-    train.train(output_dir=str(tmp_path / "mismatch"), **{**common, "task": _task(str(other))},
+    seq2seq.train(output_dir=str(tmp_path / "mismatch"), **{**common, "task": _task(str(other))},
                 teacher=str(tmp_path / "teacher" / "hf"))
 
 
@@ -184,7 +186,7 @@ def test_seqio_task_trains_like_the_offline_one(tmp_path, vocabulary_path):
   pytest.importorskip("seqio")
   summary = _train(tmp_path / "seqio", vocabulary_path, spec=dataclasses.replace(SPEC, steps=2),
                    task=_task(vocabulary_path, task="specjax_gettext_ende"))
-  offline = train.tokenized(_task(vocabulary_path), "train",
+  offline = seq2seq.tokenized(_task(vocabulary_path), "train",
                             vocabularies.SentencePieceVocabulary.from_file(vocabulary_path),
                             vocabulary_path)
   assert summary["train_examples"] == len(offline) == 666

@@ -17,8 +17,8 @@ import pytest
 
 from conftest import (BigramDrafter, assert_follows_laws, bigram_cache, bigram_marginals,
                       bigram_step, ragged_source, random_decoder_params, random_t5_params)
-from specjax import (autoregressive, contracts, drafters, sampling, speculative, tree_drafters,
-                     trees)
+from specjax import contracts, drafters, speculative, tree_drafters, trees
+from specjax.decoding import autoregressive, sampling
 from specjax.models import decoder_only, t5
 
 TINY = decoder_only.SIZES["tiny"]

@@ -5,7 +5,8 @@ becomes a "does not fit" row with its figures."""
 
 import jax
 
-from specjax import devices as devices_lib, plan, workload
+from specjax import plan
+from specjax.plan import devices as devices_lib, workload
 from specjax.models import decoder_only, t5
 
 jax.config.update("jax_platforms", "cpu")  # the TPU compiler needs no TPU

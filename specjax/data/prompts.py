@@ -11,7 +11,7 @@ Nothing is downloaded at run time (DESIGN.md, Assets); `specjax.assets` locates 
              summaries, and this is neither CNN/DailyMail nor XSum: a stand-in with real news text.
   ende       English -> German: the English messages of Django's German gettext catalog with their
              German translations as references. Short software strings, NOT WMT news translation.
-  gettext_ende  The same from all of Django's German catalogs (specjax.seq2seq_data), the embedded T5
+  gettext_ende  The same from all of Django's German catalogs (specjax.data.gettext), the embedded T5
              experiment's evaluation messages: held out here = held out in its training task.
 
 Formatting (the `style` argument) is an explicit choice, because it changes what the target predicts
@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gzip
-import hashlib
 import json
 import pathlib
 from typing import Sequence
@@ -46,11 +45,12 @@ from typing import Sequence
 import numpy as np
 
 from specjax import assets
+from specjax.data import gettext
+from specjax.data.splits import is_heldout
 from specjax.tokenizer import render_chatml
 
 SPLITS = ("all", "train", "heldout")
 STYLES = ("chat", "plain", "t5")
-HELDOUT_PERCENT = 20
 
 NEWS_INSTRUCTION = "Summarize the following news article.\n\n"
 ENDE_INSTRUCTION = "Translate to German: "
@@ -98,17 +98,6 @@ class PromptSet:
     return len(self.prompts)
 
 
-def hash_percent(source_text: str) -> int:
-  """A stable bucket 0..99 of a text: the first 8 bytes of its SHA-256 modulo 100."""
-  digest = hashlib.sha256(source_text.encode("utf-8")).digest()
-  return int.from_bytes(digest[:8], "big") % 100
-
-
-def is_heldout(source_text: str) -> bool:
-  """Whether an item belongs to the held-out split (about HELDOUT_PERCENT percent of items)."""
-  return hash_percent(source_text) < HELDOUT_PERCENT
-
-
 # ---- raw sources ------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
@@ -142,7 +131,7 @@ def django_de_pairs() -> tuple[tuple[str, str], ...]:
   translation wins; context-only duplicates such as month abbreviations are dropped).
   """
   pairs, seen = [], set()
-  for entry in parse_po(assets.django_de_po_path().read_text(encoding="utf-8")):
+  for entry in gettext.parse_po(assets.django_de_po_path().read_text(encoding="utf-8")):
     english, german = entry.get("msgid", ""), entry.get("msgstr", "")
     if (not english.strip() or not german.strip() or "msgid_plural" in entry
         or entry.get("obsolete") or "fuzzy" in entry.get("flags", ())
@@ -152,61 +141,6 @@ def django_de_pairs() -> tuple[tuple[str, str], ...]:
     seen.add(english)
     pairs.append((english, german))
   return tuple(pairs)
-
-
-def parse_po(text: str) -> list[dict]:
-  """A gettext .po catalog -> entries {'msgid', 'msgstr' | 'msgstr[n]', 'msgctxt', 'msgid_plural',
-  'flags': set, 'obsolete': bool} with strings unescaped and continuation lines joined."""
-  entries, entry, keyword = [], {}, None
-
-  def flush():
-    nonlocal entry
-    if "msgid" in entry:
-      entries.append(entry)
-    entry = {}
-
-  for raw in text.splitlines():
-    line = raw.strip()
-    has_translation = any(k.startswith("msgstr") for k in entry)
-    if not line:
-      flush()
-      keyword = None
-    elif line.startswith("#~"):  # obsolete entry, kept in the file for translators' memory
-      entry["obsolete"] = True
-    elif line.startswith("#"):
-      if has_translation:
-        flush()
-      if line.startswith("#,"):
-        entry.setdefault("flags", set()).update(f.strip() for f in line[2:].split(","))
-    elif line.startswith('"'):
-      if keyword is None:
-        raise ValueError(f"malformed .po line (string without keyword): {raw!r}")
-      entry[keyword] += _po_unquote(line)
-    else:
-      keyword, _, rest = line.partition(" ")
-      if keyword in ("msgctxt", "msgid") and has_translation:
-        flush()
-      entry[keyword] = _po_unquote(rest.strip())
-  flush()
-  return entries
-
-
-_PO_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\"}
-
-
-def _po_unquote(quoted: str) -> str:
-  """'"a \\"b\\"\\n"' -> 'a "b"' + newline (the C escapes gettext uses)."""
-  if len(quoted) < 2 or quoted[0] != '"' or quoted[-1] != '"':
-    raise ValueError(f"malformed .po string: {quoted!r}")
-  body, out, i = quoted[1:-1], [], 0
-  while i < len(body):
-    if body[i] == "\\" and i + 1 < len(body):
-      out.append(_PO_ESCAPES.get(body[i + 1], body[i + 1]))
-      i += 2
-    else:
-      out.append(body[i])
-      i += 1
-  return "".join(out)
 
 
 # ---- prompt sets ------------------------------------------------------------------------------------
@@ -253,8 +187,7 @@ def _items(name: str) -> list[tuple[str, str, str | None]]:
   if name == "news":
     return [(key, article, None) for key, article in lee_articles()]
   if name == "gettext_ende":
-    from specjax import seq2seq_data  # pylint: disable=import-outside-toplevel  # it imports this module
-    return seq2seq_data.evaluation_items()
+    return gettext.evaluation_items()
   return [(english, english, german) for english, german in django_de_pairs()]  # "ende"
 
 

@@ -25,7 +25,9 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from specjax import assets, autoregressive, contracts, data, loading
+from specjax import assets, contracts, loading
+from specjax.decoding import autoregressive
+from specjax.data import prompts
 
 PROMPT_SETS = ("humaneval", "news", "ende")
 
@@ -134,7 +136,7 @@ def teacher_sequences(target: loading.LoadedModel, task: str, spec: TeacherSpec,
                       seed: int) -> Sequences:
   """The target's continuations of one prompt set's train split, with its top-k everywhere."""
   index = spec.tasks.index(task)
-  prompt_set = data.load_prompt_set(task, "train", spec.prompts_per_task[index] or None, spec.style)
+  prompt_set = prompts.load_prompt_set(task, "train", spec.prompts_per_task[index] or None, spec.style)
   tokenizer = target.tokenizer
   encoded = [tokenizer.encode(p) for p in prompt_set.prompts]
   kept = [i for i, ids in enumerate(encoded) if len(ids) <= spec.max_prompt_tokens]
@@ -171,7 +173,7 @@ def distil_targets(model: contracts.Model, params, encoded, names, *, max_new_to
   with tqdm(total=len(batches) * len(runs), desc=desc, unit="batch") as bar:
     for temperature, sample in runs:
       for b, batch in enumerate(batches):
-        tokens, lengths = data.make_batch([encoded[i] for i in batch], pad_id, bucket=32)
+        tokens, lengths = prompts.make_batch([encoded[i] for i in batch], pad_id, bucket=32)
         rng = jax.random.fold_in(jax.random.PRNGKey(seed), 1000 * sample + b)
         out = jax.device_get(decode(params, tokens, lengths, rng, jnp.float32(temperature),
                                     jnp.float32(1.0)))

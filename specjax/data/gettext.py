@@ -8,11 +8,11 @@ locales are multilingual training data. Labelled for what it is: short software 
 
 Splits are by the ENGLISH message, so they hold in every locale at once: a message held out is held
 out in German and in all 98 other languages, and no held-out German reference's source is ever seen in
-training. The rule is `data.hash_percent(english)`: below data.HELDOUT_PERCENT (20) -> 'heldout' (the
+training. The rule is `hash_percent(english)`: below HELDOUT_PERCENT (20) -> 'heldout' (the
 same rule as the `ende` prompt set, whose held-out prompts are therefore held out here too), the next
 VALIDATION_PERCENT (3) -> 'validation' (the training's validation loss), the rest -> 'train'.
 
-Tasks (the seqio wrappers in `specjax.seqio_tasks` yield exactly these examples):
+Tasks (the seqio wrappers in `specjax.data.seqio_tasks` yield exactly these examples):
   gettext_translate  every locale but English (train: the multilingual training set)
   gettext_ende       German only (heldout: the evaluation messages)
 No TensorFlow here: the training command and the embedded experiment read these directly.
@@ -25,7 +25,8 @@ import dataclasses
 import functools
 import pathlib
 
-from specjax import assets, data
+from specjax import assets
+from specjax.data.splits import HELDOUT_PERCENT, hash_percent
 
 TASKS = ("gettext_translate", "gettext_ende")
 SPLITS = ("train", "validation", "heldout")
@@ -50,10 +51,10 @@ class Pair:
 
 def split_of(english: str) -> str:
   """'heldout' | 'validation' | 'train' for an English message (deterministic, hash-based)."""
-  percent = data.hash_percent(english)
-  if percent < data.HELDOUT_PERCENT:
+  percent = hash_percent(english)
+  if percent < HELDOUT_PERCENT:
     return "heldout"
-  if percent < data.HELDOUT_PERCENT + VALIDATION_PERCENT:
+  if percent < HELDOUT_PERCENT + VALIDATION_PERCENT:
     return "validation"
   return "train"
 
@@ -94,7 +95,7 @@ def gettext_pairs() -> tuple[Pair, ...]:
     language = names.get(locale.lower().replace("_", "-"))
     if language is None or locale.split("_")[0] == "en":
       continue
-    for entry in data.parse_po(path.read_text(encoding="utf-8")):
+    for entry in parse_po(path.read_text(encoding="utf-8")):
       message = entry.get("msgid", "")
       if not message.strip() or entry.get("obsolete") or "fuzzy" in entry.get("flags", ()):
         continue
@@ -114,7 +115,7 @@ def gettext_pairs() -> tuple[Pair, ...]:
 def check_task(task: str) -> None:
   if task not in TASKS:
     raise ValueError(f"unknown offline task {task!r}; specjax's offline tasks are {list(TASKS)} "
-                     "(the seqio tasks, with TensorFlow, are listed by specjax.seqio_tasks.TASKS)")
+                     "(the seqio tasks, with TensorFlow, are listed by specjax.data.seqio_tasks.TASKS)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,7 +139,7 @@ def texts_for_vocabulary(task: str) -> list[str]:
 
 def evaluation_items() -> list[tuple[str, str, str]]:
   """(key, English, German) of every German message (singular forms, each English once): the
-  `gettext_ende` prompt set. A message's key is its English text, so `data.is_heldout` splits the set
+  `gettext_ende` prompt set. A message's key is its English text, so `splits.is_heldout` splits the set
   exactly as `split_of` splits the task."""
   items, seen = [], set()
   for pair in gettext_pairs():
@@ -146,3 +147,60 @@ def evaluation_items() -> list[tuple[str, str, str]]:
       seen.add(pair.english)
       items.append((pair.english, pair.english, pair.translation))
   return items
+
+
+# ---- the .po format ---------------------------------------------------------------------------------
+
+def parse_po(text: str) -> list[dict]:
+  """A gettext .po catalog -> entries {'msgid', 'msgstr' | 'msgstr[n]', 'msgctxt', 'msgid_plural',
+  'flags': set, 'obsolete': bool} with strings unescaped and continuation lines joined."""
+  entries, entry, keyword = [], {}, None
+
+  def flush():
+    nonlocal entry
+    if "msgid" in entry:
+      entries.append(entry)
+    entry = {}
+
+  for raw in text.splitlines():
+    line = raw.strip()
+    has_translation = any(k.startswith("msgstr") for k in entry)
+    if not line:
+      flush()
+      keyword = None
+    elif line.startswith("#~"):  # obsolete entry, kept in the file for translators' memory
+      entry["obsolete"] = True
+    elif line.startswith("#"):
+      if has_translation:
+        flush()
+      if line.startswith("#,"):
+        entry.setdefault("flags", set()).update(f.strip() for f in line[2:].split(","))
+    elif line.startswith('"'):
+      if keyword is None:
+        raise ValueError(f"malformed .po line (string without keyword): {raw!r}")
+      entry[keyword] += _po_unquote(line)
+    else:
+      keyword, _, rest = line.partition(" ")
+      if keyword in ("msgctxt", "msgid") and has_translation:
+        flush()
+      entry[keyword] = _po_unquote(rest.strip())
+  flush()
+  return entries
+
+
+_PO_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\"}
+
+
+def _po_unquote(quoted: str) -> str:
+  """'"a \\"b\\"\\n"' -> 'a "b"' + newline (the C escapes gettext uses)."""
+  if len(quoted) < 2 or quoted[0] != '"' or quoted[-1] != '"':
+    raise ValueError(f"malformed .po string: {quoted!r}")
+  body, out, i = quoted[1:-1], [], 0
+  while i < len(body):
+    if body[i] == "\\" and i + 1 < len(body):
+      out.append(_PO_ESCAPES.get(body[i + 1], body[i + 1]))
+      i += 2
+    else:
+      out.append(body[i])
+      i += 1
+  return "".join(out)

@@ -23,7 +23,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax import contracts, sampling
+from specjax import contracts
+from specjax.decoding import sampling
 
 
 @flax.struct.dataclass

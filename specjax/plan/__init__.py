@@ -1,6 +1,6 @@
 """Plan a run before the pod starts: `python -m specjax.plan --gin_file=configs/X.gin [--topology=v4-8]`.
 
-For a decoding config (a `run.generate` or `speculative_sweep.sweep` job) the plan builds the target
+For a decoding config (a `generation.Generate` or sweep job) the plan builds the target
 and every model draft from shapes alone (`jax.eval_shape`: no weights allocated, nothing read but
 the architecture), shards them on the config's mesh with the rules of `sharding.py`, and compiles
 ahead of time the programs a run executes:
@@ -22,7 +22,7 @@ TPU slice (`--topology=v4-8`, `v5p-64`, `v5e-16`, or a raw `v4:2x2x1`) through
 wheel): the TPU compiler's own verdict then counts, its out-of-memory error included ("does not fit",
 with its figures).
 
-Architectures: specjax.workload (what a config runs, in shapes); devices: specjax.devices. Name an
+Architectures: specjax.plan.workload (what a config runs, in shapes); devices: specjax.plan.devices. Name an
 architecture in the config (`plan.PlanSpec.target_size`, `plan.PlanSpec.draft_sizes`) where the
 weights are not here.
 """
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import json
 import math
 import pathlib
@@ -39,44 +38,22 @@ import re
 import time
 from typing import Any
 
-import gin
 import jax
 import jax.numpy as jnp
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from specjax import autoregressive, contracts, drafters, models, plan_report, sharding, speculative
-from specjax import devices as devices_lib
-from specjax import workload as workload_lib
+from specjax import contracts, drafters, models, sharding, speculative
+from specjax.decoding import autoregressive
+from specjax.plan import report
+from specjax.plan import devices as devices_lib
+from specjax.plan import workload as workload_lib
 from specjax.models import kv_cache, t5
 
 GIB = devices_lib.GIB
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def job_arguments() -> tuple[dict, str]:
-  """(arguments, name) of the parsed gin config's job: its defaults overridden by the bindings."""
-  try:
-    job = gin.query_parameter("run.main.job")
-  except ValueError:
-    job = None
-  if not isinstance(job, gin.config.ConfigurableReference):
-    raise ValueError("the config binds no job (run.main.job); a plan covers the decoding jobs "
-                     "run.generate and speculative_sweep.sweep")
-  function = job.configurable.wrapped
-  arguments = {name: parameter.default
-               for name, parameter in inspect.signature(function).parameters.items()
-               if parameter.default is not inspect.Parameter.empty}
-  arguments.update(gin.get_bindings(job.configurable.selector, resolve_references=True))
-  return arguments, job.configurable.name
-
-
-def config_workload(target_size=None, draft_sizes=(), prompt_length=None) -> workload_lib.Workload:
-  """The Workload of the parsed gin config's job."""
-  return workload_lib.from_arguments(*job_arguments(), target_size, draft_sizes, prompt_length)
-
-
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class PlanSpec:
   """What the plan needs beyond the experiment config.
@@ -305,7 +282,7 @@ def plan(workload: workload_lib.Workload, devices: devices_lib.Devices, dtype_na
     rows.append(row)
     logging.info("[%d/%d] %s %s (%s): compiled in %.1f s, peak %s per device (%.0f s elapsed)",
                  len(rows), total, model_name, row["program"], dtype_name, row["compile_s"],
-                 plan_report.bytes_text(row.get("peak")), time.perf_counter() - start)
+                 report.bytes_text(row.get("peak")), time.perf_counter() - start)
 
   def hopeless(program, params_bytes, cache_bytes) -> dict | None:
     """On CPU, where compiling cannot run out of memory, a program whose parameters and cache alone
@@ -314,8 +291,8 @@ def plan(workload: workload_lib.Workload, devices: devices_lib.Devices, dtype_na
       return None
     return {"program": program, "compile_s": 0.0, "fits": False,
             "note": f"not compiled: parameters and KV cache alone need "
-                    f"{plan_report.bytes_text(params_bytes + cache_bytes)} of "
-                    f"{plan_report.bytes_text(memory_bytes)} per device"}
+                    f"{report.bytes_text(params_bytes + cache_bytes)} of "
+                    f"{report.bytes_text(memory_bytes)} per device"}
 
   sized = {}
   for name, config in [("target", workload.target), *workload.drafts]:
@@ -360,10 +337,10 @@ def _program_names(workload: workload_lib.Workload):
 # The command.
 
 
-def run_plan(spec: PlanSpec = PlanSpec(), output_dir: str | None = None) -> list[dict]:
-  """Plan the parsed config's job at every dtype of `spec`; print the tables; write plan.md and
-  plan.json to output_dir (process 0)."""
-  workload = config_workload(spec.target_size, spec.draft_sizes, spec.prompt_length)
+def run_plan(job, spec: PlanSpec = PlanSpec(), output_dir: str | None = None) -> list[dict]:
+  """Plan a decoding job (a config's `run.main.job`) at every dtype of `spec`; print the tables;
+  write plan.md and plan.json to output_dir (process 0)."""
+  workload = workload_lib.of_job(job, spec.target_size, spec.draft_sizes, spec.prompt_length)
   if spec.topology:
     from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
     if not xla_bridge.backends_are_initialized():
@@ -377,7 +354,7 @@ def run_plan(spec: PlanSpec = PlanSpec(), output_dir: str | None = None) -> list
   for dtype_name in spec.dtypes:
     result = plan(workload, devices, dtype_name, memory, spec.strict_sharding, spec.programs)
     results.append(result)
-    text.append(plan_report.markdown(workload, result))
+    text.append(report.markdown(workload, result))
     print(text[-1], flush=True)
   if output_dir and jax.process_index() == 0:
     path = pathlib.Path(output_dir)
@@ -386,43 +363,3 @@ def run_plan(spec: PlanSpec = PlanSpec(), output_dir: str | None = None) -> list
     (path / "plan.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     logging.info("wrote %s", path / "plan.md")
   return results
-
-
-def main(argv=None):
-  from absl import app, flags  # pylint: disable=import-outside-toplevel
-  from specjax import run  # pylint: disable=import-outside-toplevel
-
-  flags.DEFINE_multi_string("gin_file", [], "The experiment config(s) to plan (configs/*.gin).")
-  flags.DEFINE_multi_string("gin_bindings", [], "Extra bindings, e.g. \"plan.PlanSpec.dtypes = "
-                            "('bfloat16',)\".")
-  flags.DEFINE_string("topology", None, "A TPU slice (v4-8, v5p-64, v5e-16, v4:2x2x1); default: this "
-                      "machine's devices (simulated on CPU).")
-  flags.DEFINE_multi_string("dtype", [], "Parameter / cache dtypes to plan (float32, bfloat16).")
-  flags.DEFINE_float("memory_gib", None, "Per-device memory to fit in (default: the TPU's HBM).")
-  flags.DEFINE_string("output_dir", None, "Where plan.md / plan.json go (default out/plan/<config>).")
-  flags.DEFINE_bool("strict_sharding", None, "Refuse dimensions the mesh axis does not divide.")
-  flags.DEFINE_multi_string("program", [], f"Programs to compile (default all): {', '.join(PROGRAMS)}.")
-
-  def plan_entry(argv):
-    if len(argv) > 1:
-      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS.gin_file:
-      raise app.UsageError("pass --gin_file=configs/<experiment>.gin (see configs/)")
-    run.parse_gin(flags.FLAGS.gin_file, flags.FLAGS.gin_bindings)
-    spec = PlanSpec()  # with the config's plan.PlanSpec bindings, then the flags
-    overrides = {"topology": flags.FLAGS.topology, "memory_gib": flags.FLAGS.memory_gib,
-                 "strict_sharding": flags.FLAGS.strict_sharding,
-                 "dtypes": tuple(flags.FLAGS.dtype) or None,
-                 "programs": tuple(flags.FLAGS.program) or None}
-    spec = dataclasses.replace(spec, **{k: v for k, v in overrides.items() if v is not None})
-    output_dir = flags.FLAGS.output_dir or str(
-        pathlib.Path("out/plan") / (pathlib.Path(flags.FLAGS.gin_file[-1]).stem
-                                    + (f"-{spec.topology}" if spec.topology else "")))
-    run_plan(spec, output_dir)
-
-  app.run(plan_entry, argv)
-
-
-if __name__ == "__main__":
-  from specjax import plan as _module  # pylint: disable=import-self
-  _module.main()

@@ -1,4 +1,4 @@
-"""A T5's training objective and steps, for `specjax.train`: teacher-forced logits, the cross-entropy on
+"""A T5's training objective and steps, for `specjax.training.seq2seq`: teacher-forced logits, the cross-entropy on
 the reference tokens (optionally distilled from a teacher T5: `Teacher`), the jitted train and eval
 steps (`Trainer`, which `training.fit` drives), and T5's own initialisation.
 """
@@ -17,7 +17,7 @@ from flax import traverse_util
 from specjax import checkpoints, contracts
 from specjax.checkpoints import t5_layout
 from specjax.models import t5
-from specjax.training import TrainSpec, make_optimizer, make_train_step, per_position
+from specjax.training.trainer import TrainSpec, make_optimizer, make_train_step, per_position
 
 
 def teacher_forced_logits(model: t5.T5Model, params, batch) -> jax.Array:

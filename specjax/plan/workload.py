@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 
-from specjax import checkpoints, loading, models
+from specjax import checkpoints, models, specs
 from specjax.models import decoder_only, t5
 
 
@@ -41,7 +41,7 @@ def architecture(checkpoint: str, size: str | None = None, role: str = "target")
   says (local files), else the public T5X name in its path."""
   if size is not None:
     return models.config_by_name(size)
-  if checkpoint == loading.EMBEDDED_SMOLLM2:
+  if checkpoint == specs.EMBEDDED_SMOLLM2:
     return decoder_only.SIZES["smollm2-135m"]
   named = _PUBLIC_T5X.search(checkpoint)
   if named:
@@ -64,22 +64,24 @@ def _draft_label(name: str, config, taken: list) -> str:
   return label if label not in taken else f"{label} #{len(taken) + 1}"
 
 
-def from_arguments(arguments: dict, job_name: str, target_size: str | None = None,
-                   draft_sizes: tuple = (), prompt_length: int | None = None) -> Workload:
-  """The Workload of a decoding job (run.generate or speculative_sweep.sweep) from its arguments
-  (`plan.job_arguments` reads them from the parsed config). target_size / draft_sizes: architecture
+def of_job(job, target_size: str | None = None, draft_sizes: tuple = (),
+           prompt_length: int | None = None) -> Workload:
+  """The Workload of a decoding job (generation.Generate or speculative_sweep.Sweep: a frozen
+  dataclass with target, prompts, decode and mesh_shape). target_size / draft_sizes: architecture
   names for checkpoints not readable here (the draft sizes follow the config's checkpoint drafts in
   order); prompt_length: None takes the config's max_prompt_length, the longest input the run
   accepts."""
+  arguments = {field.name: getattr(job, field.name) for field in dataclasses.fields(job)} \
+      if dataclasses.is_dataclass(job) else {}
   if not {"target", "prompts", "decode", "mesh_shape"} <= set(arguments):
-    raise ValueError(f"a plan covers the decoding jobs (run.generate, speculative_sweep.sweep), not "
-                     f"{job_name}")
+    raise ValueError(f"a plan covers the decoding jobs (generation.Generate, "
+                     f"speculative_sweep.Sweep), not {type(job).__name__}")
   target_spec, prompts, decode = arguments["target"], arguments["prompts"], arguments["decode"]
   target = architecture(target_spec.checkpoint, target_size)
   grid = arguments.get("grid")
   if grid is not None:  # a sweep: every drafter at the largest gamma, one prompt at a time
     drafter_names, gamma, batch = tuple(grid.drafters), max(grid.gammas), 1
-  else:  # run.generate: its batches, with its drafter if it names one
+  else:  # generation.Generate: its batches, with its drafter if it names one
     drafter = arguments.get("drafter")
     drafter_names, gamma, batch = (() if drafter is None else (drafter,), arguments.get("gamma", 0),
                                    prompts.batch_size)

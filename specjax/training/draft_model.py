@@ -1,11 +1,11 @@
 """Train a Chen-style draft for a decoder-only target by distillation; export it for peers.
 
-    python -m specjax.train_draft --gin_file=configs/smollm2_draft.gin
+    python -m specjax.train --gin_file=configs/smollm2_draft.gin
 
 Stages, each kept in `output_dir` so that nothing computed is lost (the directory is held by one run
 at a time and refused to another spec, the target's weights included, as in specjax/outputs.py):
 
-1. Teacher data (specjax/teacher.py; cached under $SPECJAX_CACHE/teacher, one file per prompt set,
+1. Teacher data (specjax/training/teacher.py; cached under $SPECJAX_CACHE/teacher, one file per prompt set,
    reused by any rerun with the same target and data spec): the target's greedy and sampled
    continuations of the TRAIN-split prompts with its top-`teacher_top_k` log-probabilities at every
    position.
@@ -13,7 +13,7 @@ at a time and refused to another spec, the target's weights included, as in spec
    training sequences. The draft scores only those; every other token gets draft probability 0, which
    keeps speculative sampling exact (the residual covers them) and cuts the 49,152-token head that
    dominates a small model's step.
-3. Training (specjax/training.py; orbax checkpoints in checkpoints/, every `checkpoint_every` steps
+3. Training (specjax/training/trainer.py; orbax checkpoints in checkpoints/, every `checkpoint_every` steps
    and at the end, exact resume from the newest checkpoint that restores; the loss every 10 steps in
    train_log.jsonl, kept across resumes): forward KL from the target's distribution to the draft's, both
    coarsened to {each teacher top-k token inside the head} + {everything else}.
@@ -40,11 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from specjax import checkpoints, outputs, run
+from specjax import checkpoints, launch, loading, outputs, specs
 from specjax.checkpoints import hf
 from specjax.models import decoder_only
-from specjax.teacher import Sequences, TeacherSpec, load_teacher_data, split_validation
-from specjax.training import (TrainSpec, fit, loss_logger, make_optimizer, make_train_step,
+from specjax.training.teacher import Sequences, TeacherSpec, load_teacher_data, split_validation
+from specjax.training.trainer import (TrainSpec, fit, loss_logger, make_optimizer, make_train_step,
                               per_position)
 
 
@@ -222,22 +222,22 @@ def check_draft_matches(draft_config, target_config):
 def train(output_dir: str = "out/smollm2_draft", target=None, draft: DraftShape = DraftShape(),
           teacher: TeacherSpec = TeacherSpec(), training: TrainSpec = TrainSpec(),
           init_from: str | None = None, seed: int = 0, stop_after_step: int | None = None) -> dict:
-  """Distil a draft for `target` (run.ModelSpec) into output_dir; returns the summary.
+  """Distil a draft for `target` (specs.ModelSpec) into output_dir; returns the summary.
 
   init_from: a decoder-only checkpoint (HF directory or .gguf) to start from instead of DraftShape; it
   must share the target's vocabulary. A finished output_dir is reused as is (nothing is recomputed);
   an interrupted one resumes; one holding another spec is refused.
   """
-  target = target or run.ModelSpec()
+  target = target or specs.ModelSpec()
   spec = {"target": dataclasses.asdict(target), "draft": dataclasses.asdict(draft),
           "teacher": dataclasses.asdict(teacher), "training": dataclasses.asdict(training),
-          "init_from": init_from, "seed": seed, "content_keys": run.content_keys(target)}
+          "init_from": init_from, "seed": seed, "content_keys": loading.content_keys(target)}
   if init_from:
     spec["content_keys"]["init_from"] = checkpoints.content_key(init_from)
   # The directory is held for the whole run (one run at a time); its results are the loss log (one
   # row per 10 steps, which also keeps the whole curve across resumes), the checkpoints and hf/.
   with outputs.RunDirectory(output_dir, spec, "train_log.jsonl", "spec_fingerprint",
-                            run.operative_config(), other_results=("checkpoints", "hf")) as run_dir, \
+                            launch.operative_config(), other_results=("checkpoints", "hf")) as run_dir, \
        outputs.RowsFile(run_dir.results, run_dir.fingerprint, "spec_fingerprint",
                         unique_key="step") as loss_log:
     return _train(run_dir.path, loss_log, spec, target, draft, teacher, training, init_from, seed,
@@ -251,7 +251,7 @@ def _train(output_dir: pathlib.Path, loss_log: outputs.RowsFile, spec: dict, tar
     logging.info("trained draft found in %s; nothing to do", output_dir)
     return json.loads(summary_path.read_text())
   started = time.perf_counter()
-  loaded = run.load_model(target)
+  loaded = loading.load_model(target.checkpoint, target.vocabulary)
   target_config = loaded.config
   if not isinstance(target_config, decoder_only.DecoderConfig):
     raise ValueError(f"train_draft distils decoder-only (Llama-family) targets; {target.checkpoint} "
@@ -322,12 +322,3 @@ def _train(output_dir: pathlib.Path, loss_log: outputs.RowsFile, spec: dict, tar
                after["top1_agreement"])
   return summary
 
-
-def cli():
-  run.gin_cli(train, "configs/smollm2_draft.gin")
-
-
-if __name__ == "__main__":
-  # Configs import `specjax.train_draft`; run that module, not this __main__ copy (see specjax/run.py).
-  from specjax import train_draft as _module  # pylint: disable=import-self
-  _module.cli()

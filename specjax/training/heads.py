@@ -1,18 +1,18 @@
 """Train Medusa-1 heads (specjax/heads.py) or a shared MTP head (specjax/mtp.py, HeadsSpec.kind =
 "mtp") on a decoder-only target's own hidden states.
 
-    python -m specjax.train_heads --gin_file=configs/smollm2_heads.gin   (or smollm2_mtp.gin)
+    python -m specjax.train --gin_file=configs/smollm2_heads.gin   (or smollm2_mtp.gin)
 
 Stages, each kept so that nothing computed is lost (output_dir is held by one run at a time and
 refused to another spec, the target's weights included, as in specjax/outputs.py):
 
-1. Teacher data (specjax/teacher.py, cached under $SPECJAX_CACHE/teacher): the target's greedy and
+1. Teacher data (specjax/training/teacher.py, cached under $SPECJAX_CACHE/teacher): the target's greedy and
    sampled continuations of TRAIN-split prompts. A TeacherSpec equal to train_draft's reuses its cache.
 2. Hidden states: the target's final-norm hidden state at every position of those sequences, float16,
    as the teacher's decoding recorded them (nothing to compute). Teacher data cached before they
    were recorded gets them from teacher-forced prefill passes, cached once under
    $SPECJAX_CACHE/heads_features keyed by the target's fingerprint and the sequences.
-3. Training (specjax/training.py: optax, orbax checkpoints in checkpoints/, exact resume, progress
+3. Training (specjax/training/trainer.py: optax, orbax checkpoints in checkpoints/, exact resume, progress
    with ETA, the loss every 10 steps in train_log.jsonl): each position t is one example, its hidden
    state in and, for head k, the sequence's token at t + k + 1 out (where the sequence has it and t
    is at or past its loss_from). The loss is the heads' summed cross-entropy over the head's tokens,
@@ -43,11 +43,11 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from specjax import assets, heads, mtp, outputs, run
+from specjax import assets, heads, launch, loading, mtp, outputs, specs
 from specjax.models import decoder_only
-from specjax.teacher import Sequences, TeacherSpec, load_teacher_data, split_validation
-from specjax.train_draft import choose_head_tokens, head_index_map
-from specjax.training import TrainSpec, fit, loss_logger, make_optimizer, make_train_step
+from specjax.training.teacher import Sequences, TeacherSpec, load_teacher_data, split_validation
+from specjax.training.draft_model import choose_head_tokens, head_index_map
+from specjax.training.trainer import TrainSpec, fit, loss_logger, make_optimizer, make_train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,14 +278,14 @@ class Trainer:
 def train(output_dir: str = "out/smollm2_heads", target=None, heads_spec: HeadsSpec = HeadsSpec(),
           teacher: TeacherSpec = TeacherSpec(), training: TrainSpec = TrainSpec(), seed: int = 0,
           stop_after_step: int | None = None) -> dict:
-  """Train heads for `target` (run.ModelSpec) into output_dir; returns the summary. A finished
+  """Train heads for `target` (specs.ModelSpec) into output_dir; returns the summary. A finished
   output_dir is reused as is; an interrupted one resumes; one holding another spec is refused."""
-  target = target or run.ModelSpec()
+  target = target or specs.ModelSpec()
   spec = {"target": dataclasses.asdict(target), "heads": dataclasses.asdict(heads_spec),
           "teacher": dataclasses.asdict(teacher), "training": dataclasses.asdict(training),
-          "seed": seed, "content_keys": run.content_keys(target)}
+          "seed": seed, "content_keys": loading.content_keys(target)}
   with outputs.RunDirectory(output_dir, spec, "train_log.jsonl", "spec_fingerprint",
-                            run.operative_config(), other_results=("checkpoints", "heads")) as run_dir, \
+                            launch.operative_config(), other_results=("checkpoints", "heads")) as run_dir, \
        outputs.RowsFile(run_dir.results, run_dir.fingerprint, "spec_fingerprint",
                         unique_key="step") as loss_log:
     summary_path = run_dir.path / "summary.json"
@@ -293,7 +293,7 @@ def train(output_dir: str = "out/smollm2_heads", target=None, heads_spec: HeadsS
       logging.info("trained heads found in %s; nothing to do", run_dir.path)
       return json.loads(summary_path.read_text())
     started = time.perf_counter()
-    loaded = run.load_model(target)
+    loaded = loading.load_model(target.checkpoint, target.vocabulary)
     if not isinstance(loaded.config, decoder_only.DecoderConfig):
       raise ValueError("heads (Medusa or MTP) read a decoder-only (Llama-family) target's hidden "
                        f"states; {target.checkpoint} is an encoder-decoder model")
@@ -380,12 +380,3 @@ def train_on_sequences(output_dir, loss_log: outputs.RowsFile | None, target_con
           "teacher_seconds": teacher_seconds, "features_seconds": features_seconds,
           "train_seconds": train_seconds, "heads": str(output_dir / "heads")}
 
-
-def cli():
-  run.gin_cli(train, "configs/smollm2_heads.gin")
-
-
-if __name__ == "__main__":
-  # Configs import `specjax.train_heads`; run that module, not this __main__ copy (see specjax/run.py).
-  from specjax import train_heads as _module  # pylint: disable=import-self
-  _module.cli()

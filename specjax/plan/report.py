@@ -7,8 +7,8 @@ import math
 import jax
 
 from specjax import models
-from specjax import devices as devices_lib
-from specjax import workload as workload_lib
+from specjax.plan import devices as devices_lib
+from specjax.plan import workload as workload_lib
 from specjax.models import t5
 
 GIB = devices_lib.GIB

@@ -1,7 +1,7 @@
 """seqio tasks for the papers' datasets (TFDS) and specjax's offline gettext data, behind an extra.
 
 The only specjax module that touches seqio, TensorFlow or TensorFlow Datasets, and even it imports
-them lazily (`require_tensorflow`), so `import specjax.seqio_tasks` is cheap and works without the
+them lazily (`require_tensorflow`), so `import specjax.data.seqio_tasks` is cheap and works without the
 extra: callers can test a name against `TASKS` or catch `ManualDownloadError` before paying the
 ~10 s TensorFlow import. Install the libraries with `pip install -e '.[tasks]'` (`bash scripts/setup.sh
 test` does).
@@ -22,7 +22,7 @@ prefixes, so a public T5 checkpoint sees the inputs it was fine-tuned on):
   specjax_xsum             TFDS xsum:1.1.0; "summarize: " + document -> summary. TFDS cannot
                            download the articles: see `ManualDownloadError`.
   specjax_gettext_translate, specjax_gettext_ende
-                           `specjax.seq2seq_data.examples(...)` exactly, in their order (splits
+                           `specjax.data.gettext.examples(...)` exactly, in their order (splits
                            train / validation / heldout). BLEU metric.
 No metric for the summarization tasks: ROUGE's package is not among the dependencies.
 
@@ -41,13 +41,13 @@ import pathlib
 import textwrap
 import types
 
-from specjax import seq2seq_data
+from specjax.data import gettext
 
 PREFIX = "specjax_"
 WMT_ENDE = PREFIX + "wmt_t2t_ende"
 CNN_DAILYMAIL = PREFIX + "cnn_dailymail"
 XSUM = PREFIX + "xsum"
-GETTEXT_TASKS = tuple(PREFIX + task for task in seq2seq_data.TASKS)
+GETTEXT_TASKS = tuple(PREFIX + task for task in gettext.TASKS)
 TASKS = (WMT_ENDE, CNN_DAILYMAIL, XSUM) + GETTEXT_TASKS
 INSTALL_HINT = ("specjax's seqio tasks need seqio, TensorFlow and TensorFlow Datasets: install the "
                 "extra with `pip install -e '.[tasks]'` (or run `bash scripts/setup.sh test`)")
@@ -142,7 +142,7 @@ def register(vocabulary_path, extra_ids: int = 0, *,
   for name in GETTEXT_TASKS:
     seqio.TaskRegistry.add(
         name, source=seqio.FunctionDataSource(
-            functools.partial(_gettext_dataset, name[len(PREFIX):]), splits=seq2seq_data.SPLITS),
+            functools.partial(_gettext_dataset, name[len(PREFIX):]), splits=gettext.SPLITS),
         output_features=features, preprocessors=tokenize_then_eos(), metric_fns=[bleu])
   _registration = _Registration(path, extra_ids, data_dir)
   return TASKS
@@ -261,7 +261,7 @@ def _gettext_dataset(task: str, split: str, shuffle_files: bool, seed: int | Non
   """
   del shuffle_files, seed
   tf = require_tensorflow().tf
-  examples = seq2seq_data.examples(task, split)
+  examples = gettext.examples(task, split)
   columns = {key: tf.constant([example[key] for example in examples], dtype=tf.string,
                              shape=[len(examples)])
              for key in ("inputs", "targets", "locale")}

@@ -1,0 +1,133 @@
+"""The generation job: decode a prompt set with the target, alone or speculatively, one row per prompt.
+
+`Generate` checks its inputs (prompt set, checkpoint, tokenizer, drafter) before it writes anything;
+then it holds its output directory (specjax.outputs.RunDirectory: one run at a time) and writes
+config.gin (the operative config), spec.json (the resolved specs and the content keys of the models)
+and environment.json, then generations.jsonl, one row per prompt written as its batch finishes (one
+writer: locked, torn tail cut and saved aside, duplicate keys refused), and summary.json. A directory
+that holds results of a different spec (weights changed behind the same path included) is refused,
+never mixed; rerunning the same spec resumes, skipping finished prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import statistics
+import time
+
+import jax
+import numpy as np
+from absl import logging
+from tqdm import tqdm
+
+from specjax import drafters, launch, loading, outputs, sharding, speculative
+from specjax.data import prompts as prompt_sets
+from specjax.decoding import autoregressive
+from specjax.specs import DecodeSpec, ModelSpec, PromptSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Generate:
+  """Decode a prompt set with the target (or speculatively, with `drafter` proposing `gamma` tokens:
+  the same tokens, sooner); write one row per prompt, timings and a summary."""
+  output_dir: str = "out/smollm2_generate"
+  target: ModelSpec = ModelSpec()
+  prompts: PromptSpec = PromptSpec()
+  decode: DecodeSpec = DecodeSpec()
+  mesh_shape: tuple = (1, 1)
+  seed: int = 0
+  drafter: str | None = None
+  gamma: int = 4
+
+  def __call__(self) -> dict:
+    target, prompts, decode = self.target, self.prompts, self.decode
+    spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),
+            "decode": dataclasses.asdict(decode), "mesh_shape": list(self.mesh_shape),
+            "seed": self.seed, "drafter": self.drafter,
+            "gamma": self.gamma if self.drafter is not None else None}
+    # Everything that can fail on bad input fails here, before the output directory is touched.
+    prompt_set = prompt_sets.load_prompt_set(prompts.name, prompts.split, prompts.limit,
+                                             prompts.style)
+    if self.drafter is not None:
+      speculative.validate_gamma(self.gamma)
+    spec["content_keys"] = loading.content_keys(target, drafters.checkpoints_of(
+        () if self.drafter is None else (self.drafter,)))
+    loaded, mesh = loading.load_target(target, self.mesh_shape)
+    tokenizer = loaded.tokenizer
+    program, params, settings = self._program(loaded, mesh)
+    rng = jax.random.PRNGKey(self.seed)
+    compiled = {}  # per padded prompt shape: compile ahead of time, outside the timed region
+    with outputs.RunDirectory(self.output_dir, spec, "generations.jsonl", "spec_fingerprint",
+                              launch.operative_config()) as run_dir, \
+         outputs.RowsFile(run_dir.results, run_dir.fingerprint, "spec_fingerprint",
+                          unique_key="key") as rows:
+      done = {row.get("key") for row in rows.existing}
+      todo = [i for i, key in enumerate(prompt_set.keys) if key not in done]
+      batches = [todo[i:i + prompts.batch_size] for i in range(0, len(todo), prompts.batch_size)]
+      for batch_index in tqdm(batches, desc="generate", unit="batch",
+                              disable=jax.process_index() != 0):
+        batch = loaded.batch([prompt_set.prompts[i] for i in batch_index], prompts.bucket,
+                             prompts.max_prompt_length)
+        args = (*params, batch.prompt_tokens, batch.prompt_lengths,
+                jax.random.fold_in(rng, batch_index[0]), *settings, batch.source)
+        key = (batch.prompt_tokens.shape,
+               None if batch.source is None else batch.source.tokens.shape)
+        if key not in compiled:
+          compiled[key] = program.lower(*args).compile()
+        start = time.perf_counter()
+        out = jax.block_until_ready(compiled[key](*args))
+        seconds = time.perf_counter() - start
+        # Every process reads the whole batch (rows may live on another host's devices).
+        tokens, generated = sharding.to_host(out.tokens), sharding.to_host(out.num_generated)
+        for row, i in enumerate(batch_index):
+          new = tokens[row, :int(generated[row])].tolist()
+          rows.append({"key": prompt_set.keys[i], "prompt_tokens": int(_input_lengths(batch)[row]),
+                       "new_tokens": new, "text": tokenizer.decode(new, skip_special=True),
+                       "num_generated": len(new), "batch_seconds": seconds,
+                       "batch_size": len(batch_index),
+                       "target_calls": int(sharding.to_host(out.target_calls)) + 1})
+      return _summarize(run_dir.path)
+
+  def _program(self, loaded: loading.LoadedModel, mesh):
+    """-> (jitted program, its leading params, its float settings): the program is called as
+    program(*params, prompt_tokens, prompt_lengths, rng, *settings, source). The target alone, or
+    speculative decoding with the named drafter (its params on the target's mesh)."""
+    tokenizer, decode = loaded.tokenizer, self.decode
+    if self.drafter is None:
+      shape = autoregressive.DecodeShape(decode.max_new_tokens, decode.top_k, tokenizer.eos_id,
+                                         tokenizer.pad_id)
+      return (autoregressive.make_generate(loaded.model, shape), (loaded.params,),
+              (np.float32(decode.temperature), np.float32(decode.top_p)))
+    sequences = (prompt_sets.train_sequences(tokenizer, loaded.encoder_decoder, self.prompts.style)
+                 if drafters.needs_text(self.drafter) else None)
+    made, draft_params = drafters.make_drafter(self.drafter, loaded.config, loaded.params,
+                                               sequences, mesh=mesh if mesh.size > 1 else None)
+    config = speculative.SpecConfig(self.gamma, decode.max_new_tokens, decode.top_k,
+                                    tokenizer.eos_id, tokenizer.pad_id)
+    program = speculative.make_speculative_decode(loaded.model, made, config).jitted
+    return (program, (loaded.params, draft_params),
+            (np.float32(decode.temperature), np.float32(decode.top_p), np.float32(1.0)))
+
+
+def _input_lengths(batch: loading.Batch) -> np.ndarray:
+  """Tokens each row read: its prompt, or for an encoder-decoder model its source."""
+  return np.asarray(batch.prompt_lengths if batch.source is None else batch.source.lengths)
+
+
+def _summarize(output_dir: pathlib.Path) -> dict:
+  records = outputs.read_rows(output_dir / "generations.jsonl")
+  ms_per_token = [1000 * r["batch_seconds"] / max(1, r["target_calls"]) for r in records]
+  summary = {
+      "prompts": len(records),
+      "tokens": sum(r["num_generated"] for r in records),
+      "median_ms_per_target_call": statistics.median(ms_per_token) if records else None,
+      "tokens_per_second": (sum(r["num_generated"] / r["batch_size"] for r in records)
+                            / max(1e-9, sum(r["batch_seconds"] / r["batch_size"] for r in records))
+                            if records else None),
+  }
+  if jax.process_index() == 0:
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+  logging.info("summary: %s", summary)
+  return summary
