@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Sequence
 from experiments import sweep
 from experiments.paper_figures import CHEN_TASK, LEVIATHAN_TASK, PAPER
 from specjax import theory
+from specjax.drafters import registry
 
 PAPER_LABEL = "paper (different model, task and hardware)"
 MISSING = "—"
@@ -86,8 +87,12 @@ def lossless(row: dict) -> bool:
 
 
 def drafter_kind(drafter: str | None) -> str:
-  """"model:draft-wide" -> "model"; "bigram" -> "bigram"."""
-  return str(drafter or "").split(":", 1)[0]
+  """The drafter's kind from its spec (specjax.drafters.registry): "model:draft-wide" -> "model";
+  "lookup+model:x" -> "lookup+model" (prompt lookup in front); "bigram" -> "bigram"."""
+  if not drafter:
+    return ""
+  spec = registry.parse(drafter)
+  return (registry.LOOKUP_FRONT if spec.lookup_front else "") + spec.kind
 
 
 def group(rows: Iterable[dict], key: Callable[[dict], tuple]) -> dict[tuple, list[dict]]:

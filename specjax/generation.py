@@ -22,9 +22,11 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from specjax import drafters, launch, loading, outputs, sharding, speculative
+from specjax import launch, loading, outputs, sharding
 from specjax.data import prompts as prompt_sets
-from specjax.decoding import autoregressive
+from specjax.decoding import autoregressive, core
+from specjax.decoding.tree import Tree
+from specjax.drafters import registry
 from specjax.specs import DecodeSpec, ModelSpec, PromptSpec
 
 
@@ -51,8 +53,8 @@ class Generate:
     prompt_set = prompt_sets.load_prompt_set(prompts.name, prompts.split, prompts.limit,
                                              prompts.style)
     if self.drafter is not None:
-      speculative.validate_gamma(self.gamma)
-    spec["content_keys"] = loading.content_keys(target, drafters.checkpoints_of(
+      core.validate_gamma(self.gamma)
+    spec["content_keys"] = loading.content_keys(target, registry.checkpoints_of(
         () if self.drafter is None else (self.drafter,)))
     loaded, mesh = loading.load_target(target, self.mesh_shape)
     tokenizer = loaded.tokenizer
@@ -101,12 +103,13 @@ class Generate:
       return (autoregressive.make_generate(loaded.model, shape), (loaded.params,),
               (np.float32(decode.temperature), np.float32(decode.top_p)))
     sequences = (prompt_sets.train_sequences(tokenizer, loaded.encoder_decoder, self.prompts.style)
-                 if drafters.needs_text(self.drafter) else None)
-    made, draft_params = drafters.make_drafter(self.drafter, loaded.config, loaded.params,
-                                               sequences, mesh=mesh if mesh.size > 1 else None)
-    config = speculative.SpecConfig(self.gamma, decode.max_new_tokens, decode.top_k,
-                                    tokenizer.eos_id, tokenizer.pad_id)
-    program = speculative.make_speculative_decode(loaded.model, made, config).jitted
+                 if registry.needs_text([self.drafter]) else None)
+    made, draft_params = registry.build(self.drafter, registry.Target(
+        loaded.config, loaded.params, mesh if mesh.size > 1 else None, sequences),
+        Tree.chain(self.gamma))
+    config = core.DecodeConfig(decode.max_new_tokens, decode.top_k, tokenizer.eos_id,
+                               tokenizer.pad_id)
+    program = core.make_decode(loaded.model, made, config).jitted
     return (program, (loaded.params, draft_params),
             (np.float32(decode.temperature), np.float32(decode.top_p), np.float32(1.0)))
 

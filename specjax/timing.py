@@ -1,6 +1,7 @@
 """How long decoding takes, timed the way the benchmarks and sweeps share: passes over prompts, the
-loop's cost per iteration fitted over them, prefills, single steps chained as the loop runs them,
-and one iteration's parts (draft, verify, accept) of the chain and of the tree loop.
+loop's cost per iteration fitted over them, the work before the first token, single steps chained as
+the loop runs them, and one iteration's parts (draft, verify, accept): the very methods of the loop
+(decoding/core.py: Loop), whatever the drafter and its tree.
 
 Timing conventions: compile ahead of time, outside the timed region; warm each compiled program up (its
 first run is slower); block on results; report medians of repeated runs. Step costs (c = draft step /
@@ -19,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import contracts, speculative, trees
-from specjax.decoding import autoregressive, sampling
+from specjax import contracts
+from specjax.decoding import acceptance, autoregressive, core, sampling
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1
@@ -76,18 +77,24 @@ def loop_seconds(seconds, iterations, min_spread: int = 4, max_relative_error: f
   return float(per_iteration), float(fixed)
 
 
-def prefill_seconds(target: contracts.Model, drafter, target_params, draft_params,
-                    prompt: tuple[jax.Array, jax.Array], max_length: int, repeats: int,
-                    source: contracts.Source | None = None) -> float:
-  """Median time of the work before the first token: the target's prefill (+ the drafter's init, when
-  a drafter is given), the source's encoding included."""
-  def prefill(tp, dp, tokens, lengths, source):
-    session = contracts.open_session(target, tp, source)
-    out = autoregressive.prefill(session, tokens, lengths, max_length)
-    return out if drafter is None else (out, drafter.init(dp, tokens, lengths, max_length, source))
-  compiled = jax.jit(prefill).lower(target_params, draft_params, *prompt, source).compile()
+def start_seconds(target: contracts.Model, drafter, config, target_params, draft_params,
+                  prompt: tuple[jax.Array, jax.Array], repeats: int,
+                  source: contracts.Source | None = None) -> float:
+  """Median time of the work before the first token: the source's encoding and the target's prefill,
+  with the drafter's init and the first token (core.Loop.start) when a drafter is given (`config`:
+  its core.DecodeConfig), else the baseline's prefill of max_new_tokens + 1 slots after the prompt."""
+  tokens, lengths = prompt
+
+  def start(tp, dp, tokens, lengths, source):
+    if drafter is None:
+      session = contracts.open_session(target, tp, source)
+      return autoregressive.prefill(session, tokens, lengths,
+                                    tokens.shape[1] + config.max_new_tokens + 1)
+    return _loop(target, drafter, config, tp, dp, target.encode(tp, source),
+                 jnp.float32(0.0)).start(tokens, lengths, source)
+  compiled = jax.jit(start).lower(target_params, draft_params, tokens, lengths, source).compile()
   return median_seconds(lambda: jax.block_until_ready(
-      compiled(target_params, draft_params, *prompt, source)), repeats)[0]
+      compiled(target_params, draft_params, tokens, lengths, source)), repeats)[0]
 
 
 def chained_timer(step_fn, steps_per_call: int = 1, min_call_seconds: float = 0.02):
@@ -190,154 +197,83 @@ def varying(step: jax.Array, value):
   return jax.tree_util.tree_map(lambda x: jnp.where(step < 0, x + 1, x), value)
 
 
-def tree_cost_timer(model: contracts.Model, params, drafter, draft_params, tree, prompt,
-                    max_length: int, parts=("draft", "verify", "accept"), source=None):
-  """time_parts(temperature, repeats, rounds) -> {part: ms} of one tree iteration's `parts` at batch 1
-  after `prompt` (trees.py), each timed like `step_seconds`: `draft` the drafter's candidates for the
-  whole tree, `verify` the target scoring the T nodes with the tree mask, `accept` the transform at
-  every node (temperature traced, as in the loop), the walk and the cache compaction. Compiled on the
-  first call and reused, so a sweep can time the parts again beside each point it measures.
-
-  Every input a part reads (hidden state, history, node logits) rides in the timed loop's state behind
-  a select on the step counter that XLA cannot resolve: inputs that stay the same from step to step
-  let XLA hoist the whole part out of the timed loop as loop-invariant code, which it did here (a
-  stateless drafter's candidates and the walk were computed once per call, not once per step)."""
-  tokens, lengths = prompt
-  history = jnp.zeros((1, max_length), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
-  context = jax.jit(model.encode)(params, source)  # an encoder-decoder target's encoded source
-  logits, hidden, cache = model.feature_step(
-      params, context, tokens, jnp.arange(tokens.shape[1], dtype=jnp.int32)[None],
-      model.init_cache(1, max_length))
-  cache = contracts.set_lengths(cache, lengths)
-  features = hidden[:, -1].astype(jnp.float32)
-  probe = one_token(prompt)
-  node_inputs = trees.attention_inputs(tree, lengths, max_length)
-  node_logits = jnp.broadcast_to(logits[:, -1:], (1, tree.size, logits.shape[-1]))
-  steps = jnp.arange(1, tree.depth + 1, dtype=jnp.int32)
-
-  def draft(params, state, _tokens, _positions):
-    drafter_state, features, history, step = state
-    candidates, drafter_state = drafter.candidates(
-        params, drafter_state, varying(step, history), lengths - 1, varying(step, features),
-        tree.depth, tree.width)
-    return candidates, (drafter_state, features, history, step + 1)
-
-  def verify(inputs, state, tokens, _positions):
-    (params, context), (cache, step) = inputs, state
-    node_tokens = varying(step, jnp.broadcast_to(tokens[:, :1], (1, tree.size)))
-    logits, _, new_cache = model.feature_step(params, context, node_tokens, node_inputs[0], cache,
-                                              *node_inputs[1:])
-    return jnp.argmax(logits, axis=-1), (contracts.set_lengths(new_cache, cache.lengths), step + 1)
-
-  def accept(temperature, state, tokens, _positions):
-    node_logits, cache, step = state
-    node_tokens = varying(step, jnp.broadcast_to(tokens[:, :1], (1, tree.size)))
-    uniforms = jax.random.uniform(jax.random.fold_in(jax.random.PRNGKey(0), step),
-                                  (1, tree.depth + 1))
-    probs = sampling.probs_from_logits(varying(step, node_logits), temperature)
-    path, accepted, next_token, betas = trees.walk(tree, node_tokens, probs, uniforms)
-    cache = model.move_cache(cache, lengths[:, None] + path[:, 1:], lengths[:, None] + steps)
-    return next_token + accepted + jnp.sum(betas > 0.5), (node_logits, cache, step + 1)
-
-  zero = jnp.zeros((), jnp.int32)
-  timers = {part: chained_timer(fn) for part, fn in
-            (("draft", draft), ("verify", verify), ("accept", accept)) if part in parts}
-  states = {"draft": lambda: (drafter.init(draft_params, tokens, lengths, max_length, source),
-                              features, history, zero),
-            "verify": lambda: (cache, zero), "accept": lambda: (node_logits, cache, zero)}
-
-  def time_parts(temperature: float, repeats: int, rounds: int = 1) -> dict[str, float]:
-    inputs = {"draft": draft_params, "verify": (params, context),
-              "accept": jnp.float32(temperature)}
-    # The timers donate their state: each gets a fresh copy.
-    return {part: 1000 * timed_rounds(timers[part], inputs[part],
-                                      jax.tree_util.tree_map(jnp.copy, states[part]()), *probe,
-                                      repeats, rounds) for part in parts}
-  return time_parts
+PARTS = ("draft", "verify", "accept")
 
 
-def chain_step_costs(model: contracts.Model, params, drafter, draft_params, config, prompt,
-                     repeats: int, temperatures=(0.0,), source=None,
-                     parts=("draft", "verify", "accept")) -> dict:
-  """ms of one speculative iteration's parts at batch 1 after `prompt` ({temperature: {part: ms}}),
-  each the median of 3 medians of `repeats` (`chain_cost_timer`, compiled once for all temperatures).
-  verify and accept do not depend on the drafter: time them once per gamma where the machine is quiet."""
-  time_parts = chain_cost_timer(model, params, drafter, draft_params, config, prompt, source, parts)
-  return {float(t): time_parts(t, repeats, rounds=3) for t in temperatures}
+def _loop(target, drafter, config, params, draft_params, context, temperature) -> core.Loop:
+  settings = acceptance.Settings(temperature, jnp.float32(1.0), jnp.float32(1.0), config.top_k)
+  return core.Loop(target, drafter, config, params, draft_params, context, settings,
+                   jax.random.PRNGKey(0))
 
 
-def chain_cost_timer(model: contracts.Model, params, drafter, draft_params, config, prompt,
-                     source=None, parts=("draft", "verify", "accept")):
-  """time_parts(temperature, repeats, rounds) -> {part: ms} for one speculative iteration's `parts`
-  at batch 1 after `prompt`, as speculative_decode runs them with `config` (a speculative.SpecConfig):
-  `draft` = speculative.draft (gamma drafter calls with transform and sampling), `verify` =
-  speculative.verify (the target scoring gamma + 1 tokens, transform included), `accept` =
-  speculative.settle (accept, commit, statistics, roll back). Their sum is one iteration; Thm 3.8
-  counts only the first two, and for a sub-millisecond target the third is not negligible. Each part
-  is timed like `step_seconds` (the median over `rounds` of medians of `repeats`), its inputs varied
-  per step (`varying`). Compiled on the first call and reused by every later one (the temperature is
-  traced, as in the loop), so a sweep can time the parts again beside each point it measures."""
+def iteration_timer(target: contracts.Model, params, drafter, draft_params, config, prompt,
+                    source=None, parts=PARTS):
+  """time_parts(temperature, repeats, rounds) -> {part: ms} of one loop iteration's `parts` at batch
+  1 after `prompt`, timing the very methods the loop calls (core.Loop): `draft` (the drafter's
+  proposal, with its transform and sampling), `verify` (the target scoring the tree's T nodes) and
+  `accept` (Loop.settle: the rule with its transform, the commit, the cache's compaction and
+  rollback, the features kept, the statistics). Their sum is one iteration; Thm 3.8 counts only the
+  first two, and for a sub-millisecond target the third is not negligible. Each part is timed like
+  `step_seconds` (the median over `rounds` of medians of `repeats`), its inputs varied per step
+  (`varying`). Compiled on the first call and reused by every later one (the temperature is traced,
+  as in the loop), so a sweep can time the parts again beside each point it measures."""
   tokens, lengths = map(jnp.asarray, prompt)
-  rng, gamma = jax.random.PRNGKey(0), config.gamma
-
-  def transforms(temperature):
-    return speculative.transforms(temperature, jnp.float32(1.0), config.top_k)
 
   @jax.jit
   def start(params, draft_params, temperature, source):
-    context = model.encode(params, source)
-    transform, target_transform = transforms(temperature)
-    session = contracts.bind_session(model, params, context)
-    s = speculative.initial_state(session, drafter, draft_params, config, tokens, lengths, rng,
-                                  transform, source)
-    if tuple(parts) == ("draft",):  # the draft's own inputs are in the state
-      return context, s, None
-    draft_uniforms = speculative.iteration_uniforms(rng, 0, 1, gamma)[0]
-    draft_tokens, draft_probs, _ = speculative.draft(drafter, draft_params, s.draft_state,
-                                                     s.prev_token, s.last_token, s.position,
-                                                     draft_uniforms, transform)
-    target_probs, _ = speculative.verify(session, s.target_cache, s.last_token, s.position,
-                                         draft_tokens, target_transform)
-    return context, s, (draft_tokens, draft_probs, target_probs)
+    context = target.encode(params, source)
+    loop = _loop(target, drafter, config, params, draft_params, context, temperature)
+    s = loop.start(tokens, lengths, source)
+    uniforms = loop.uniforms(s)
+    proposal, draft_state = loop.draft(s, uniforms)
+    return context, s, uniforms, proposal, draft_state, loop.verify(s, proposal)
 
   def draft(inputs, state, _tokens, _positions):
-    (draft_params, temperature, s), (draft_state, step) = inputs, state
-    prev, last, position = varying(step, (s.prev_token, s.last_token, s.position))
-    drafted, _, draft_state = speculative.draft(
-        drafter, draft_params, draft_state, prev, last, position,
-        speculative.iteration_uniforms(rng, step, 1, gamma)[0], transforms(temperature)[0])
-    return drafted, (draft_state, step + 1)
+    (params, draft_params, context, temperature, s), (draft_state, step) = inputs, state
+    loop = _loop(target, drafter, config, params, draft_params, context, temperature)
+    s = varying(step, s).replace(draft_state=draft_state, iteration=step)
+    proposal, draft_state = loop.draft(s, loop.uniforms(s))
+    return proposal.tokens, (draft_state, step + 1)
 
   def verify(inputs, state, _tokens, _positions):
-    (params, context, temperature, s, drafted), (cache, step) = inputs, state
-    last, position, drafted = varying(step, (s.last_token, s.position, drafted))
-    session = contracts.bind_session(model, params, context)
-    probs, cache = speculative.verify(session, cache, last, position, drafted,
-                                      transforms(temperature)[1])
-    return jnp.argmax(probs, axis=-1), (contracts.set_lengths(cache, s.position), step + 1)
+    (params, draft_params, context, temperature, s, proposal), (cache, step) = inputs, state
+    loop = _loop(target, drafter, config, params, draft_params, context, temperature)
+    verified = loop.verify(varying(step, s).replace(target_cache=cache), varying(step, proposal))
+    return (jnp.argmax(verified.logits, axis=-1),
+            (contracts.set_lengths(verified.cache, s.target_cache.lengths), step + 1))
 
   def accept(inputs, state, _tokens, _positions):
-    (temperature, drafted), (s, step) = inputs, state
-    _, accept_uniforms, resample_uniform = speculative.iteration_uniforms(rng, step, 1, gamma)
-    s = speculative.settle(s, drafter, config, *varying(step, drafted), s.target_cache, s.draft_state,
-                           accept_uniforms, resample_uniform, jnp.float32(1.0), temperature == 0.0)
+    (params, draft_params, context, temperature, uniforms, proposal, verified,
+     draft_state), (s, step) = inputs, state
+    loop = _loop(target, drafter, config, params, draft_params, context, temperature)
+    s = loop.settle(s, *varying(step, (proposal, verified, uniforms)), draft_state)
     return s.num_committed, (s, step + 1)
 
-  fresh = lambda tree: jax.tree_util.tree_map(jnp.copy, tree)  # the timers donate their state
   timers = {part: chained_timer(fn) for part, fn in
             (("draft", draft), ("verify", verify), ("accept", accept)) if part in parts}
   probe, zero = one_token(prompt), jnp.zeros((), jnp.int32)
+  fresh = lambda tree: jax.tree_util.tree_map(jnp.copy, tree)  # the timers donate their state
 
   def time_parts(temperature: float, repeats: int, rounds: int = 1) -> dict[str, float]:
     t = jnp.float32(temperature)
-    context, s, drafted = start(params, draft_params, t, source)
-    inputs_and_state = {"draft": ((draft_params, t, s), (s.draft_state, zero)),
-                        "verify": ((params, context, t, s, drafted[0] if drafted else None),
-                                   (s.target_cache, zero)),
-                        "accept": ((t, drafted), (s, zero))}
+    context, s, uniforms, proposal, draft_state, verified = start(params, draft_params, t, source)
+    inputs_and_state = {
+        "draft": ((params, draft_params, context, t, s), (s.draft_state, zero)),
+        "verify": ((params, draft_params, context, t, s, proposal), (s.target_cache, zero)),
+        "accept": ((params, draft_params, context, t, uniforms, proposal, verified, draft_state),
+                   (s, zero))}
     ms = {}
     for part in parts:
       inputs, state = inputs_and_state[part]
       ms[part] = 1000 * timed_rounds(timers[part], inputs, fresh(state), *probe, repeats, rounds)
     return ms
   return time_parts
+
+
+def iteration_costs(target: contracts.Model, params, drafter, draft_params, config, prompt,
+                    repeats: int, temperatures=(0.0,), source=None, parts=PARTS) -> dict:
+  """ms of one loop iteration's parts at batch 1 after `prompt` ({temperature: {part: ms}}), each the
+  median of 3 medians of `repeats` (`iteration_timer`, compiled once for all temperatures). verify
+  and accept hardly depend on the drafter: time them once per tree where the machine is quiet."""
+  time_parts = iteration_timer(target, params, drafter, draft_params, config, prompt, source, parts)
+  return {float(t): time_parts(t, repeats, rounds=3) for t in temperatures}

@@ -37,9 +37,9 @@ class GenerateOutput:
   # [B, max_new_tokens, k] (entry i: the distribution of the token after new token i). None otherwise.
   prompt_top_k: tuple | None = None
   new_top_k: tuple | None = None
-  # With DecodeShape.record_hidden as well (a tree model: contracts.supports_trees), the final-norm
-  # hidden states float16 at every prompt position [B, P, E] and at every new token [B, max_new_tokens,
-  # E] (entry i: new token i's), what feature drafters train on. None otherwise.
+  # With DecodeShape.record_features as well, the target's features (contracts.FeatureSpec) float16
+  # at every prompt position [B, P, F] and at every new token [B, max_new_tokens, F] (entry i: new
+  # token i's), what feature drafters train on. None otherwise.
   prompt_hidden: jax.Array | None = None
   new_hidden: jax.Array | None = None
 
@@ -53,12 +53,13 @@ class DecodeShape:
   pad_id: int = 0
   max_cache_length: int | None = None  # refuse prompts that would not fit (None: size to the prompt)
   record_top_k: int = 0  # > 0: also return the model's top-k log-probs everywhere (GenerateOutput)
-  record_hidden: bool = False  # with record_top_k: also the hidden states everywhere (GenerateOutput)
+  # with record_top_k: also these features everywhere (GenerateOutput)
+  record_features: contracts.FeatureSpec | None = None
 
   def __post_init__(self):
     validate_decode(self.max_new_tokens, self.top_k)
-    if self.record_hidden and not self.record_top_k:
-      raise ValueError("record_hidden rides on the teacher-data path: set record_top_k >= 1 too")
+    if self.record_features is not None and not self.record_top_k:
+      raise ValueError("record_features rides on the teacher-data path: set record_top_k >= 1 too")
 
 
 def validate_decode(max_new_tokens: int, top_k: int = 0) -> None:
@@ -107,16 +108,12 @@ def _without_hidden(session: contracts.Session):
   return step
 
 
-def _with_hidden(model, params, context):
-  """A tree model's step as (tokens, positions, cache) -> (logits, hidden states float16, cache)."""
-  if not contracts.supports_trees(model):
-    raise ValueError("record_hidden needs a model that returns its hidden states (contracts: tree "
-                     "model), e.g. specjax.models.decoder_only.model(config) of a full-vocabulary "
-                     "target")
-
+def _with_features(model, params, context, features: contracts.FeatureSpec):
+  """A model's step as (tokens, positions, cache) -> (logits, features float16, cache)."""
   def step(tokens, positions, cache):
-    logits, hidden, cache = model.feature_step(params, context, tokens, positions, cache)
-    return logits, hidden.astype(jnp.float16), cache
+    logits, tapped, cache = model.forward(params, context, tokens, positions, cache,
+                                          features=features)
+    return logits, tapped.astype(jnp.float16), cache
   return step
 
 
@@ -138,7 +135,8 @@ def generate(model: contracts.Model, shape: DecodeShape, params, prompt_tokens: 
   contracts.check_source(model, source)
   context = model.encode(params, source)
   session = contracts.bind_session(model, params, context)
-  step = _with_hidden(model, params, context) if shape.record_hidden else _without_hidden(session)
+  step = (_with_features(model, params, context, shape.record_features)
+          if shape.record_features is not None else _without_hidden(session))
   logits, prompt_hidden, cache = _prefill(step, session.init_cache, prompt_tokens, prompt_lengths,
                                           prompt_len + max_new + 1)
   k = shape.record_top_k
@@ -146,7 +144,7 @@ def generate(model: contracts.Model, shape: DecodeShape, params, prompt_tokens: 
   # baseline carries nothing.
   records = (jnp.zeros((batch, max_new, k), jnp.float32),
              jnp.zeros((batch, max_new, k), jnp.int32)) if k else ()
-  if shape.record_hidden:
+  if shape.record_features is not None:
     records += (jnp.zeros((batch, max_new, prompt_hidden.shape[-1]), jnp.float16),)
   prompt_top_k = _top_k_logp(logits, k) if k else None
   probs_fn = functools.partial(sampling.probs_from_logits, temperature=temperature,

@@ -105,22 +105,26 @@ class _Block(nn.Module):
 class DecoderOnly(nn.Module):
   """The Llama-family network; `mesh` (optional) turns on the activation and cache constraints.
 
-  `slots` / `visible` (optional) verify a token tree (layers.CachedAttention); `return_hidden` also
-  returns the final-norm hidden states [B, T, E] that feature drafters (heads.py) read.
+  `slots` / `visible` (optional) verify a token tree (layers.CachedAttention); `features` (a
+  contracts.FeatureSpec) also returns the target features drafters read: the residual stream after
+  the listed blocks and / or the final-norm state, concatenated [B, T, F].
   """
   config: DecoderConfig
   mesh: Mesh | None = None
 
   @nn.compact
   def __call__(self, tokens, positions, cache: kv_cache.KVCache, slots=None, visible=None,
-               return_hidden: bool = False):
+               features: contracts.FeatureSpec | None = None):
     cfg = self.config
     embedding = param(self, "embedding", (cfg.vocab_size, cfg.embed_dim), (axes.VOCAB, axes.EMBED))
     x = sharding.constrain(jnp.take(embedding, tokens, axis=0), layers.ACTIVATIONS, self.mesh)
     keys, values = list(cache.keys), list(cache.values)
+    after = {}  # the residual stream after each block a drafter reads
     for i in range(cfg.num_layers):
       x, keys[i], values[i] = _Block(cfg, self.mesh, name=f"layers_{i}")(
           x, positions, keys[i], values[i], slots, visible)
+      if features is not None and i in features.blocks:
+        after[i] = x
     x = RMSNorm(cfg.norm_eps, name="final_norm")(x)
     if cfg.tie_embeddings:
       logits = jnp.einsum("bte,ve->btv", x, embedding)
@@ -131,7 +135,9 @@ class DecoderOnly(nn.Module):
     lengths = (positions if slots is None else slots)[:, -1].astype(jnp.int32) + 1
     logits = sharding.constrain(logits.astype(jnp.float32), layers.LOGITS, self.mesh)
     cache = kv_cache.KVCache(tuple(keys), tuple(values), lengths)
-    return (logits, cache, x) if return_hidden else (logits, cache)
+    if features is None:
+      return logits, cache
+    return logits, cache, layers.tapped(features, after, x)
 
 
 def init_cache(config: DecoderConfig, batch: int, max_length: int, dtype=jnp.float32):
@@ -161,29 +167,34 @@ def make_step(config: DecoderConfig, mesh: Mesh | None = None):
 
 def model(config: DecoderConfig, mesh: Mesh | None = None,
           cache_dtype=jnp.float32) -> contracts.StepModel:
-  """The contracts.Model of this config: its step and empty-cache factory (no encoder)."""
+  """The contracts.Model of this config: its step, its forward (tree verification and features;
+  full-vocabulary models only: a subset-head draft verifies nothing) and empty-cache factory."""
   return contracts.StepModel(make_step(config, mesh),
                              functools.partial(init_cache, config, dtype=cache_dtype),
-                             # a subset-head draft verifies nothing: no tree step
-                             features=None if config.head_size else make_feature_step(config, mesh),
+                             forward_fn=None if config.head_size else make_forward(config, mesh),
                              move=kv_cache.move)
 
 
-def make_feature_step(config: DecoderConfig, mesh: Mesh | None = None):
-  """features(params, tokens, positions, cache, slots=None, visible=None) -> (logits, hidden[B, T, E],
-  cache): the step of `make_step` that can verify a token tree and also returns the final-norm hidden
-  states (contracts: tree model). Full-vocabulary models only."""
+def make_forward(config: DecoderConfig, mesh: Mesh | None = None):
+  """forward(params, tokens, positions, cache, slots=None, visible=None, features=None) -> (logits,
+  features[B, T, F] or None, cache): the step of `make_step` that can verify a token tree and return
+  the features a drafter reads (contracts.Model.forward). Full-vocabulary models only."""
   if config.head_size:
     raise ValueError("a subset-head model is a draft; token trees are verified by a full-vocabulary "
                      "target")
   network = DecoderOnly(config, mesh)
 
-  def features(params, tokens, positions, cache, slots=None, visible=None):
-    logits, cache, hidden = network.apply({"params": model_params(params)}, tokens, positions, cache,
-                                          slots, visible, return_hidden=True)
-    return logits, hidden, cache
+  def forward(params, tokens, positions, cache, slots=None, visible=None, features=None):
+    if features is None:
+      logits, cache = network.apply({"params": model_params(params)}, tokens, positions, cache,
+                                    slots, visible)
+      return logits, None, cache
+    features.check(config.num_layers)
+    logits, cache, tapped = network.apply({"params": model_params(params)}, tokens, positions,
+                                          cache, slots, visible, features)
+    return logits, tapped, cache
 
-  return features
+  return forward
 
 
 def model_params(params):

@@ -111,3 +111,10 @@ class CachedAttention(nn.Module):
     weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", weights, values.astype(x.dtype))
     return out.reshape(batch, steps, h * d) @ wo, keys, values
+
+
+def tapped(features, after: dict, final: jax.Array) -> jax.Array:
+  """The features a drafter reads (contracts.FeatureSpec), concatenated on the last axis: the residual
+  stream after each listed block (`after[block]`), then the final-norm state `final`."""
+  return jnp.concatenate([after[b] for b in features.blocks] + ([final] if features.final_norm else []),
+                         axis=-1)

@@ -297,8 +297,10 @@ class _Decoder(_Module):
     pairs = [layer.cross_kv(encoded) for layer in self.layers]
     return tuple(k for k, _ in pairs), tuple(v for _, v in pairs)
 
-  def __call__(self, x, positions, cache, context, embedding, slots=None, visible=None):
-    """Embedded x[B, T, E] -> (logits[B, T, V] float32, cache, final-norm hidden [B, T, E])."""
+  def __call__(self, x, positions, cache, context, embedding, slots=None, visible=None,
+               features=None):
+    """Embedded x[B, T, E] -> (logits[B, T, V] float32, cache, the features a drafter reads
+    (contracts.FeatureSpec over the decoder's blocks) [B, T, F] or None)."""
     cfg = self.config
     # Causal bias of each query position against every cache slot; slots after the query are
     # masked in the layers, so their bucket (0) never counts. Slot s holds position s, except a
@@ -311,9 +313,12 @@ class _Decoder(_Module):
     bias = self.relpos_bias(positions, key_positions)
     cross_mask = source_mask(context.source_lengths, context.keys[0].shape[1])
     keys, values = list(cache.keys), list(cache.values)
+    after = {}  # the residual stream after each block a drafter reads
     for i, layer in enumerate(self.layers):
       x, keys[i], values[i] = layer(x, positions, keys[i], values[i], bias, context.keys[i],
                                     context.values[i], cross_mask, slots, visible)
+      if features is not None and i in features.blocks:
+        after[i] = x
     y = self.decoder_norm(x)
     if cfg.tie_embeddings:
       logits = jnp.einsum("bte,ve->btv", y, embedding) * cfg.embed_dim ** -0.5
@@ -321,7 +326,8 @@ class _Decoder(_Module):
       logits = self.logits_dense(y)
     logits = self.constrain(logits.astype(jnp.float32), layers.LOGITS)
     lengths = (positions if slots is None else slots)[:, -1].astype(jnp.int32) + 1
-    return logits, kv_cache.KVCache(tuple(keys), tuple(values), lengths), y
+    tapped = None if features is None else layers.tapped(features, after, y)
+    return logits, kv_cache.KVCache(tuple(keys), tuple(values), lengths), tapped
 
 
 @flax.struct.dataclass
@@ -346,9 +352,9 @@ class _T5(_Module):
     keys, values = self.decoder.cross_kv(self.encode(source_tokens, source_lengths))
     return T5Context(keys, values, jnp.asarray(source_lengths, jnp.int32))
 
-  def decode(self, tokens, positions, cache, context, slots=None, visible=None):
+  def decode(self, tokens, positions, cache, context, slots=None, visible=None, features=None):
     return self.decoder(self.token_embedder(tokens), positions, cache, context,
-                        self.token_embedder.embedding, slots, visible)
+                        self.token_embedder.embedding, slots, visible, features)
 
   def __call__(self, source_tokens, source_lengths, tokens, positions, cache):
     """The whole model in one call (creates every parameter at init)."""
@@ -403,23 +409,22 @@ class T5Model:
   def decode_step(self, params, context: T5Context, tokens, positions, cache):
     """tokens[B, T] at positions[B, T] -> (logits[B, T, V] float32, cache with lengths
     positions[:, -1] + 1). Any T: prefill, one draft token, or a verification chunk."""
-    logits, _, cache = self.feature_step(params, context, tokens, positions, cache)
-    return logits, cache  # the unused hidden states cost nothing: XLA drops them
+    logits, _, cache = self.forward(params, context, tokens, positions, cache)
+    return logits, cache
 
-  def feature_step(self, params, context: T5Context, tokens, positions, cache, slots=None,
-                   visible=None):
-    """decode_step that can verify a token tree (contracts: tree model) and also returns the final-norm
-    hidden states: (logits, hidden[B, T, E], cache)."""
-    logits, cache, hidden = _T5(self.config, self.mesh).apply(
-        {"params": params}, tokens, positions, cache, context, slots, visible, method=_T5.decode)
-    return logits, hidden, cache
+  def forward(self, params, context: T5Context, tokens, positions, cache, slots=None, visible=None,
+              features=None):
+    """decode_step that can verify a token tree and return the features a drafter reads
+    (contracts.Model.forward): (logits, features[B, T, F] or None, cache)."""
+    if features is not None:
+      features.check(self.config.num_decoder_layers)
+    logits, cache, tapped = _T5(self.config, self.mesh).apply(
+        {"params": params}, tokens, positions, cache, context, slots, visible, features,
+        method=_T5.decode)
+    return logits, tapped, cache
 
   def move_cache(self, cache, source_slots, dest_slots):
     return kv_cache.move(cache, source_slots, dest_slots)
-
-  @property
-  def verifies_trees(self) -> bool:
-    return True
 
   def init_cache(self, batch: int, max_length: int) -> kv_cache.KVCache:
     return init_cache(self.config, batch, max_length, self.cache_dtype)

@@ -43,8 +43,10 @@ import jax.numpy as jnp
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from specjax import contracts, drafters, models, sharding, speculative
-from specjax.decoding import autoregressive
+from specjax import contracts, models, sharding
+from specjax.decoding import autoregressive, core
+from specjax.drafters import expansion
+from specjax.drafters import model as model_drafts
 from specjax.plan import report
 from specjax.plan import devices as devices_lib
 from specjax.plan import workload as workload_lib
@@ -165,7 +167,7 @@ class _Planner:
     self.encoder_decoder = isinstance(workload.target, t5.T5Config)
     # T5's decoder prompt is its start token; the text is the source.
     self.prompt_length = 1 if self.encoder_decoder else workload.prompt_length
-    # A verification write never falls off the end (speculative.speculative_decode's cache length).
+    # A verification write never falls off the end (decoding/core.py: Loop.start's cache length).
     self.max_length = self.prompt_length + workload.max_new_tokens + workload.gamma + 1
     batch = workload.batch
     rows = sharding.batch_sharding(mesh, batch)
@@ -247,9 +249,9 @@ class _Planner:
       fn = jax.jit(functools.partial(autoregressive.generate, target, shape))
       args = (self.params(w.target), *self.inputs, self.rng, self.scalar, self.scalar, self.source)
     else:
-      config = speculative.SpecConfig(w.gamma, w.max_new_tokens, w.top_k)
-      fn = jax.jit(functools.partial(speculative.speculative_decode, target,
-                                     drafters.ModelDrafter(self.model(draft_config)), config))
+      drafter = expansion.SampledChain(model_drafts.ModelDrafter(self.model(draft_config)), w.gamma)
+      fn = jax.jit(functools.partial(core.decode, target, drafter,
+                                     core.DecodeConfig(w.max_new_tokens, w.top_k)))
       args = (self.params(w.target), self.params(draft_config), *self.inputs, self.rng,
               self.scalar, self.scalar, self.scalar, self.source)
     return _compile("loop", lambda: fn.lower(*args))[0]

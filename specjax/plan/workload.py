@@ -15,6 +15,7 @@ from typing import Any
 
 
 from specjax import checkpoints, models, specs
+from specjax.drafters import registry
 from specjax.models import decoder_only, t5
 
 
@@ -85,20 +86,19 @@ def of_job(job, target_size: str | None = None, draft_sizes: tuple = (),
     drafter = arguments.get("drafter")
     drafter_names, gamma, batch = (() if drafter is None else (drafter,), arguments.get("gamma", 0),
                                    prompts.batch_size)
-  inner = {name: re.sub(r"^(lookup\+)+", "", name) for name in drafter_names}  # lookup costs nothing
+  planned = {name: registry.planned(name, target) for name in drafter_names}
   model_drafters = [name for name in drafter_names
-                    if inner[name].startswith("model:") or re.fullmatch(r"layers\d+", inner[name])]
-  checkpoint_drafts = [name for name in model_drafters if inner[name].startswith("model:")]
+                    if planned[name].config is not None or planned[name].checkpoint is not None]
+  checkpoint_drafts = [name for name in model_drafters if planned[name].checkpoint is not None]
   if draft_sizes and len(draft_sizes) != len(checkpoint_drafts):
     raise ValueError(f"plan.PlanSpec.draft_sizes names {len(draft_sizes)} architectures but the "
                      f"config has {len(checkpoint_drafts)} checkpoint drafts: {checkpoint_drafts}")
   sizes = dict(zip(checkpoint_drafts, draft_sizes))
   drafts = []
   for name in model_drafters:
-    if inner[name].startswith("model:"):
-      config = architecture(inner[name][len("model:"):], sizes.get(name), role=f"draft {name!r}")
-    else:
-      config = dataclasses.replace(target, num_layers=int(inner[name][len("layers"):]))
+    config = planned[name].config
+    if config is None:
+      config = architecture(planned[name].checkpoint, sizes.get(name), role=f"draft {name!r}")
     if config.vocab_size != target.vocab_size:
       raise ValueError(f"vocabulary sizes differ: the target has {target.vocab_size} tokens, the draft "
                        f"{name} {config.vocab_size}")

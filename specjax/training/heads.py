@@ -43,7 +43,8 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from specjax import assets, heads, launch, loading, mtp, outputs, specs
+from specjax import assets, contracts, launch, loading, outputs, specs
+from specjax.drafters import heads, mtp
 from specjax.models import decoder_only
 from specjax.training.teacher import Sequences, TeacherSpec, load_teacher_data, split_validation
 from specjax.training.draft_model import choose_head_tokens, head_index_map
@@ -78,14 +79,15 @@ def target_features(target_config, target_params, seqs: Sequences, prefill_token
   """[positions, E] float16: the target's final-norm hidden state at every position of `seqs`, by
   causal prefill passes over right-padded batches of similar length (rows padded to a fixed count,
   so each padded length compiles once)."""
-  features_step = decoder_only.make_feature_step(target_config)
+  forward = decoder_only.make_forward(target_config)
 
   @jax.jit
   def hidden(params, tokens):
     rows, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
-    _, states, _ = features_step(params, tokens, positions,
-                                 decoder_only.init_cache(target_config, rows, width))
+    _, states, _ = forward(params, tokens, positions,
+                           decoder_only.init_cache(target_config, rows, width),
+                           features=contracts.FeatureSpec(final_norm=True))
     return states.astype(jnp.float16)
 
   lengths = seqs.lengths()

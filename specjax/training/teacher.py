@@ -5,7 +5,7 @@ never seen), the target's greedy continuation and `samples` continuations sample
 decoded in batches by the baseline's jitted while_loop, which also records the target's top-k
 log-probabilities (temperature 1) at every prompt and generated position
 (autoregressive.DecodeShape.record_top_k) and, for a target that returns them, its final-norm hidden
-states there (record_hidden), which the MTP and Medusa heads train on. The target runs once per
+states there (record_features), which the MTP and Medusa heads train on. The target runs once per
 sequence; its distributions and hidden states are never recomputed. Each prompt set's result is cached
 once under $SPECJAX_CACHE/teacher (the hidden states in a .hidden.npy beside the .npz, read lazily),
 keyed by the target, the spec and the seed, so any rerun or another draft shape reuses it.
@@ -154,8 +154,8 @@ def distil_targets(model: contracts.Model, params, encoded, names, *, max_new_to
                    samples: int, top_k: int, batch_size: int, eos_id, pad_id, seed: int,
                    desc: str = "teacher") -> Sequences:
   """The target (a decoder-only contracts.Model) continues every prompt greedily and `samples` times
-  at temperature 1; returns the sequences with its top-k log-probs at every position, and its hidden
-  states there when the model returns them (contracts.supports_trees).
+  at temperature 1; returns the sequences with its top-k log-probs at every position, and its
+  final-norm hidden states there.
 
   encoded: token-id lists; names: one text per prompt (its hash groups the prompt's sequences)."""
   empty = [name for name, ids in zip(names, encoded) if len(ids) == 0]
@@ -166,7 +166,7 @@ def distil_targets(model: contracts.Model, params, encoded, names, *, max_new_to
   order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths batch together
   decode = autoregressive.make_generate(model, autoregressive.DecodeShape(
       max_new_tokens, eos_id=eos_id, pad_id=pad_id, record_top_k=top_k,
-      record_hidden=contracts.supports_trees(model)))
+      record_features=contracts.FeatureSpec(final_norm=True)))
   runs = [(0.0, 0)] + [(1.0, s + 1) for s in range(samples)]
   batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
   parts = []

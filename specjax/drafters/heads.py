@@ -32,10 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import contracts
+from specjax.decoding import tree as trees
+from specjax.drafters import expansion
+
 FORMAT = 1
 WEIGHTS_FILE = "heads.npz"
 METADATA_FILE = "heads.json"
 TRAIN_COMMAND = "python -m specjax.train --gin_file=configs/smollm2_heads.gin"
+# What heads read: the target's final-norm hidden state (the state its own LM head reads).
+FEATURES = contracts.FeatureSpec(final_norm=True)
 
 
 # ---- the heads as pure functions --------------------------------------------------------------------
@@ -111,38 +117,38 @@ def drafter_params(heads: dict, head_tokens, target_config, target_params) -> di
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadsDrafter:
-  """The tree drafter (trees.py) of K trained heads: candidates[b, d] = the top `width` tokens of head
-  d + 1 applied to the target's hidden state at position - 1. No state, no model of its own to run:
-  the hidden state comes from the target's own verification."""
+class HeadsDrafter(expansion.Ranked):
+  """The drafter of K trained heads for `tree`: candidates[b, d] = the top `width` tokens of head
+  d + 1 applied to the target's final-norm hidden state at position - 1. No state, no model of its
+  own to run: the hidden state comes from the target's own verification."""
   num_heads: int
+  tree: trees.Tree
+  features = FEATURES
+  calls_per_iteration = 1  # every head runs in the same call, on a state the target computed
   # A drafter of decoder-only targets: contracts.check_drafter_family refuses an encoder-decoder one.
   encoder_decoder: bool = dataclasses.field(default=False, init=False)
 
-  def init(self, params, prompt_tokens, prompt_lengths, max_length, source=None):
-    del params, prompt_tokens, prompt_lengths, max_length
+  def __post_init__(self):
+    if self.tree.depth > self.num_heads:
+      raise ValueError(f"a tree of depth {self.tree.depth} needs {self.tree.depth} heads (head d "
+                       f"scores the token d places past the next), but these heads number "
+                       f"{self.num_heads}: use depth <= {self.num_heads}, or train more heads "
+                       "(heads.HeadsSpec.num_heads)")
+
+  def init(self, params, prompt_tokens, prompt_lengths, max_length, source=None, features=None):
+    del params, prompt_tokens, prompt_lengths, max_length, features
     if source is not None:
       raise ValueError("Medusa heads read a decoder-only target's hidden states and take no source")
     return None
 
-  def candidates(self, params, state, history, position, features, depth: int, width: int):
+  def candidates(self, params, state, context, depth: int, width: int):
     """-> (candidates[B, depth, width] int32, state); rank 0 = the head's most likely token."""
-    del history, position
-    if not 1 <= depth <= self.num_heads:
-      raise ValueError(f"a tree of depth {depth} needs {depth} heads (head d scores the token d "
-                       f"places past the next), but these heads number {self.num_heads}: use depth "
-                       f"<= {self.num_heads}, or train more heads (train_heads.HeadsSpec.num_heads)")
     size = params["head_tokens"].shape[0]
     if not 1 <= width <= size:
       raise ValueError(f"width must lie in 1..{size} (the tokens the heads score), got {width}")
-    logits = head_logits(params["heads"], params["head_rows"], features, depth)
+    logits = head_logits(params["heads"], params["head_rows"], context.newest_features, depth)
     _, columns = jax.lax.top_k(logits, width)
     return params["head_tokens"][columns].astype(jnp.int32), state
-
-  def calls_per_iteration(self, depth: int) -> int:
-    """One: every head runs in the same call, on a hidden state the target already computed."""
-    del depth
-    return 1
 
 
 # ---- which target the heads belong to ---------------------------------------------------------------
@@ -254,9 +260,11 @@ def check_target(meta: dict, target_config, target_params, where="these heads",
                      "specs.ModelSpec.checkpoint bound to its checkpoint, or load this target's own")
 
 
-def load_heads(directory, target_config, target_params) -> tuple[HeadsDrafter, dict]:
-  """(HeadsDrafter, its params) for `target`, after checking the heads were trained for it."""
+def load_heads(directory, target_config, target_params, tree: trees.Tree
+               ) -> tuple[HeadsDrafter, dict]:
+  """(HeadsDrafter of `tree`, its params) for `target`, after checking the heads were trained for
+  it."""
   heads, head_tokens, meta = read_heads(directory)
   check_target(meta, target_config, target_params, where=f"the heads in {directory}")
-  return (HeadsDrafter(meta["num_heads"]),
+  return (HeadsDrafter(meta["num_heads"], tree),
           drafter_params(heads, head_tokens, target_config, target_params))

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import heads
+from specjax.decoding import tree as trees
 from specjax.decoding.sampling import top_ids
+from specjax.drafters import expansion, heads
 
 KIND = "mtp"
 WEIGHTS_FILE = "mtp.npz"
@@ -85,25 +86,31 @@ def drafter_params(mtp: dict, head_tokens, target_config, target_params) -> dict
 
 
 @dataclasses.dataclass(frozen=True)
-class MTPDrafter:
-  """The tree drafter (trees.py) of the MTP head: at depth d its top `width` tokens after d
-  applications, the chain continuing through each depth's top-1 token. Stateless; `depth` small
-  head applications per iteration, on the hidden state the target's verification computed."""
+class MTPDrafter(expansion.Ranked):
+  """The drafter of the MTP head for `tree`: at depth d its top `width` tokens after d applications,
+  the chain continuing through each depth's top-1 token. Stateless; `depth` small head applications
+  per iteration, on the hidden state the target's verification computed."""
+  tree: trees.Tree
+  features = heads.FEATURES
   # A drafter of decoder-only targets: contracts.check_drafter_family refuses an encoder-decoder one.
   encoder_decoder: bool = dataclasses.field(default=False, init=False)
 
-  def init(self, params, prompt_tokens, prompt_lengths, max_length, source=None):
-    del params, prompt_tokens, prompt_lengths, max_length
+  @property
+  def calls_per_iteration(self) -> int:
+    return self.tree.depth
+
+  def init(self, params, prompt_tokens, prompt_lengths, max_length, source=None, features=None):
+    del params, prompt_tokens, prompt_lengths, max_length, features
     if source is not None:
       raise ValueError("the MTP head reads a decoder-only target's hidden states and takes no source")
     return None
 
-  def candidates(self, params, state, history, position, features, depth: int, width: int):
+  def candidates(self, params, state, context, depth: int, width: int):
     size = params["head_tokens"].shape[0]
     if not 1 <= width <= size:
       raise ValueError(f"width must lie in 1..{size} (the tokens the head scores), got {width}")
-    token = jnp.take_along_axis(history, position[:, None], axis=1)[:, 0]
-    hidden, ranked = features, []
+    token = context.root
+    hidden, ranked = context.newest_features, []
     for _ in range(depth):
       hidden = next_state(params["mtp"], hidden, params["embed_rows"][token])
       logits = hidden @ params["head_rows"].astype(jnp.float32).T
@@ -111,9 +118,6 @@ class MTPDrafter:
       ranked.append(top)
       token = top[:, 0]
     return jnp.stack(ranked, axis=1), state
-
-  def calls_per_iteration(self, depth: int) -> int:
-    return depth
 
 
 def save_mtp(directory, params: dict, head_tokens, target_config, fingerprint: str,
@@ -125,8 +129,8 @@ def save_mtp(directory, params: dict, head_tokens, target_config, fingerprint: s
                            {"kind": KIND, "num_heads": int(num_steps), **(metadata or {})})
 
 
-def load_mtp(directory, target_config, target_params) -> tuple[MTPDrafter, dict]:
-  """(MTPDrafter, its params) for `target`, after checking the head was trained for it."""
+def load_mtp(directory, target_config, target_params, tree: trees.Tree) -> tuple[MTPDrafter, dict]:
+  """(MTPDrafter of `tree`, its params) for `target`, after checking the head was trained for it."""
   directory = pathlib.Path(directory)
   meta = heads.read_metadata(directory)
   if meta.get("kind") != KIND:
@@ -136,4 +140,4 @@ def load_mtp(directory, target_config, target_params) -> tuple[MTPDrafter, dict]
   with np.load(directory / WEIGHTS_FILE) as arrays:
     params = {name: arrays[name] for name in NAMES}
     head_tokens = arrays["head_tokens"] if "head_tokens" in arrays else None
-  return MTPDrafter(), drafter_params(params, head_tokens, target_config, target_params)
+  return MTPDrafter(tree), drafter_params(params, head_tokens, target_config, target_params)

@@ -1,0 +1,254 @@
+"""How both sweeps measure a point: the autoregressive baseline and the speculative loop side by side in
+this process, on the same held-out prompts (batch 1 each, padded to one length per task; each prompt
+its own random key, the same for both runs), with one loop iteration's parts timed in turn beside them.
+
+`Bench` holds what every point shares: the target, the prompts by task, the drafters by (name, tree,
+sampling), their compiled programs and part timers, and the work before the first token.
+`measure(bench, task, drafter, temperature, lenience)` times one point and returns what both sweeps
+report; each sweep adds its own columns (speculative_sweep.py: c, v and Thm 3.8; tree_sweep.py:
+acceptance by depth).
+
+ms per token is end to end (prefill included) over the tokens each run emitted (EOS on), so greedy
+points compare identical token streams and sampled points compare per-token costs. Decode ms per
+token leaves out what each prompt pays once (Thm 3.8 models decoding only): every prompt is timed, and
+the loop's cost per iteration is fitted over the prompts (`paired_decode_seconds`, both sides of a
+ratio by the same method); the work before the first token, timed apart, is subtracted instead where
+there are few prompts, all ran about as many iterations, a fit's fixed cost comes out negative or its
+per-iteration cost is uncertain (timing.loop_seconds).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from specjax import loading, metrics, models, specs, timing
+from specjax.data import prompts as prompt_sets
+from specjax.decoding import autoregressive, core
+from specjax.decoding.tree import Tree
+from specjax.drafters import registry
+
+# How a row is drawn and timed, in the spec (so in the fingerprint) of both sweeps: a directory whose
+# rows were measured another way is refused rather than resumed into one table with new rows. Change it
+# whenever a change to the keys or the timing would make old and new rows disagree.
+MEASUREMENT = ("each prompt its own key; baseline, decode and the loop's own parts (draft, verify, "
+               "settle) timed in turn; both sides of a speedup by one method; loop fits refused "
+               "beyond a standard error of 1/4")
+
+# Prompts a side needs before its loop cost is fitted rather than its prefill subtracted.
+MIN_FIT_PROMPTS = 8
+
+
+class Prompt(NamedTuple):
+  """One batch-1 decode: prompt_tokens[1, P], prompt_lengths[1], the source (None for a decoder-only
+  target) and the prompt's own random key, which the baseline and every drafter's run of it share."""
+  tokens: jax.Array
+  lengths: jax.Array
+  source: object
+  key: jax.Array
+
+
+def prompt_keys(rng: jax.Array, task: str, count: int) -> list[jax.Array]:
+  """One key per prompt of a task, folded from the sweep's seed with the task's name and the prompt's
+  index: with one key for all, every prompt drew from the same uniforms (their sampled acceptances
+  moved together, and one small first uniform drew SmolLM2's low-id EOS for every prompt at once)."""
+  task_key = jax.random.fold_in(rng, zlib.crc32(task.encode()) % (2 ** 31))
+  return [jax.random.fold_in(task_key, i) for i in range(count)]
+
+
+def heldout_prompts(target: loading.LoadedModel, task: str, count: int, style: str,
+                    rng: jax.Array) -> list[Prompt]:
+  """The first `count` held-out prompts of a set as batch-1 inputs padded to one shared length (one
+  compiled program per task), each with its own key (`prompt_keys`)."""
+  # A prompts file is a test set of its own: all of it counts (the named sets keep their split).
+  split = "all" if task.endswith(".jsonl") else "heldout"
+  heldout = prompt_sets.load_prompt_set(task, split, limit=count, style=style)
+  batch = target.batch(heldout.prompts, bucket=32, max_length=1024)
+  rows = lambda array, i: None if array is None else jax.tree_util.tree_map(lambda x: x[i:i + 1],
+                                                                            array)
+  keys = prompt_keys(rng, task, len(heldout))
+  return [Prompt(batch.prompt_tokens[i:i + 1], batch.prompt_lengths[i:i + 1],
+                 rows(batch.source, i), keys[i]) for i in range(len(heldout))]
+
+
+class Bench:
+  """What every point of a sweep shares: the target, the prompts by task, the drafters by (name, tree,
+  sample), compiled programs (and which have run once: a program's first run is slower, so it gets an
+  untimed warm-up), part timers and the work before the first token by (task, drafter)."""
+
+  def __init__(self, target: loading.LoadedModel, tasks, prompts_per_task: int,
+               decode: specs.DecodeSpec, seed: int, style: str, drafter_names, mesh=None,
+               largest_tree: int = 1):
+    self.target, self.decode = target, decode
+    self.prompts = {task: heldout_prompts(target, task, prompts_per_task, style,
+                                          jax.random.PRNGKey(seed)) for task in tasks}
+    sequences = (prompt_sets.train_sequences(target.tokenizer, target.encoder_decoder, style)
+                 if registry.needs_text(drafter_names) else None)
+    self.build_target = registry.Target(target.config, target.params,
+                                        mesh if mesh is not None and mesh.size > 1 else None,
+                                        sequences)
+    tok = target.tokenizer
+    self.config = core.DecodeConfig(decode.max_new_tokens, decode.top_k, tok.eos_id, tok.pad_id)
+    self.largest_tree = largest_tree
+    self.probe = next(iter(self.prompts.values()))[0]
+    self._drafters, self._compiled, self._warm, self._start_s, self._timers = {}, {}, set(), {}, {}
+    self._built = {}  # the registry's memo: one checkpoint load per drafter, whatever the trees
+
+  def cache_length(self, prompt: Prompt) -> int:
+    """Slots a probe's cache needs after `prompt`: room for the largest verification."""
+    return prompt.tokens.shape[1] + self.decode.max_new_tokens + self.largest_tree + 1
+
+  def drafter(self, name: str, tree: Tree, sample: bool):
+    """(drafter, params) built once per (name, tree, sample)."""
+    key = (name, tree, sample)
+    if key not in self._drafters:
+      self._drafters[key] = registry.build(name, self.build_target, tree, sample, self._built)
+    return self._drafters[key]
+
+  def compiled(self, key, build):
+    if key not in self._compiled:
+      self._compiled[key] = build()
+    return self._compiled[key]
+
+  def timed(self, key, task: str, run_one):
+    """(seconds per prompt, tokens emitted, outputs) of one pass over the task's prompts."""
+    warmup = 0 if key in self._warm else 1
+    self._warm.add(key)
+    seconds, outs = timing.time_prompts(run_one, self.prompts[task], 1, warmup)
+    return seconds, sum(int(np.asarray(o.num_generated).sum()) for o in outs), outs
+
+  def baseline(self, task: str, temperature: float):
+    decode, tok = self.decode, self.target.tokenizer
+    generate = self.compiled(("base", task), lambda: autoregressive.make_generate(
+        self.target.model, autoregressive.DecodeShape(decode.max_new_tokens, decode.top_k,
+                                                      tok.eos_id, tok.pad_id)))
+    run_one = lambda tokens, lengths, source, key: jax.block_until_ready(generate(
+        self.target.params, tokens, lengths, key, jnp.float32(temperature),
+        jnp.float32(decode.top_p), source))
+    return self.timed(("base", task), task, run_one)
+
+  def speculative(self, task: str, drafter_key: tuple, temperature: float, lenience: float):
+    drafter, draft_params = self.drafter(*drafter_key)
+    program = ("decode", task, *drafter_key)
+    decode_fn = self.compiled(program, lambda: core.make_decode(self.target.model, drafter,
+                                                                self.config))
+    run_one = lambda tokens, lengths, source, key: jax.block_until_ready(decode_fn(
+        self.target.params, draft_params, tokens, lengths, key, temperature, self.decode.top_p,
+        lenience, source))
+    return self.timed(program, task, run_one)
+
+  def start_seconds(self, task: str, drafter_key: tuple | None) -> float:
+    """Time before the first token (the target's prefill, + the drafter's init) on the task's shape."""
+    key = (task, drafter_key)
+    if key not in self._start_s:
+      drafter, draft_params = (None, None) if drafter_key is None else self.drafter(*drafter_key)
+      tokens, lengths, source, _ = self.prompts[task][0]
+      self._start_s[key] = timing.start_seconds(self.target.model, drafter, self.config,
+                                                self.target.params, draft_params, (tokens, lengths),
+                                                5, source)
+    return self._start_s[key]
+
+  def part_timer(self, drafter_key: tuple):
+    """timing.iteration_timer for a drafter, built once: `measure` times one loop iteration's parts
+    with it beside every pass it times."""
+    if drafter_key not in self._timers:
+      tokens, lengths, source, _ = self.probe
+      self._timers[drafter_key] = timing.iteration_timer(
+          self.target.model, self.target.params, *self.drafter(*drafter_key), self.config,
+          (tokens, lengths), source)
+    return self._timers[drafter_key]
+
+
+def paired_decode_seconds(*sides) -> list[tuple[float, dict]]:
+  """Seconds per decoded token (after each prompt's first, which the prefill gives) and how it was
+  found, for each side of a ratio: sides are (seconds per prompt, outputs, tokens, start_seconds())
+  and all get ONE method. The loop's cost per iteration fitted over the prompts (timing.loop_seconds)
+  where every side has MIN_FIT_PROMPTS prompts whose iteration counts spread, a fitted fixed cost
+  >= 0 and a per-iteration cost the fit pins down (see loop_seconds); else each total less its
+  start (timed apart). A ratio of a fit and a subtraction misled: 4 prompts of one pass fitted
+  fixed costs of -616 to 1,119 ms per prompt where the prefill took 264 ms."""
+  fits = [timing.loop_seconds(seconds, [int(np.asarray(o.target_calls)) for o in outs])
+          if len(outs) >= MIN_FIT_PROMPTS else None for seconds, outs, _, _ in sides]
+  by_fit = all(fit is not None and fit[1] >= 0 for fit in fits)
+  results = []
+  for (seconds, outs, tokens, start_seconds), fit in zip(sides, fits):
+    decoded = max(tokens - len(outs), 1)
+    if by_fit:
+      per_iteration, fixed = fit
+      iterations = sum(int(np.asarray(o.target_calls)) for o in outs)
+      results.append((per_iteration * iterations / decoded, {
+          "method": "fit over prompts", "fixed_ms_per_prompt": 1000 * fixed,
+          "ms_per_iteration": 1000 * per_iteration}))
+    else:
+      start_s = start_seconds()
+      results.append(((float(np.sum(seconds)) - len(outs) * start_s) / decoded, {
+          "method": "prefill subtracted", "fixed_ms_per_prompt": 1000 * start_s}))
+  return results
+
+
+def in_turn(repeats: int, *runs, names: tuple[str, ...] = ()) -> list[list]:
+  """Each of `runs` called in turn, `repeats` times (a slow stretch of the machine falls on all of
+  them alike, not on whichever ran then): every run's results, in call order. Logs the wall time
+  each run took in all, under `names`, so a sweep's log shows where a point's time went."""
+  results, spent = [[] for _ in runs], [0.0] * len(runs)
+  for _ in range(repeats):
+    for i, (out, run_once) in enumerate(zip(results, runs)):
+      start = time.perf_counter()
+      out.append(run_once())
+      spent[i] += time.perf_counter() - start
+  names = names or tuple(f"run {i}" for i in range(len(runs)))
+  logging.info("timed in turn, %d x: %s", repeats,
+               ", ".join(f"{name} {seconds:.1f}s" for name, seconds in zip(names, spent)))
+  return results
+
+
+def median_pass(passes: list) -> tuple:
+  """(each prompt's median seconds, tokens, outputs of the last) over Bench passes."""
+  return (np.median([p[0] for p in passes], axis=0), *passes[-1][1:])
+
+
+def measure(bench: Bench, task: str, drafter_key: tuple, temperature: float, lenience: float,
+            repeats: int) -> dict:
+  """Time baseline and speculative decoding of one point side by side, and one iteration's parts in
+  turn with them, `repeats` times: the machine's speed drifts over a sweep (the greedy baseline of one
+  T5 sweep read 0.56-0.61 ms per token, then 0.73-0.94 for a minute), and predictions divide the
+  baseline's time by the parts'. -> the columns both sweeps report, and the outputs."""
+  time_parts = bench.part_timer(drafter_key)
+  base_runs, spec_runs, part_runs = in_turn(
+      repeats, lambda: bench.baseline(task, temperature),
+      lambda: bench.speculative(task, drafter_key, temperature, lenience),
+      # 3 medians of 9 in all (a single median of 9 steps moved by 20 % here)
+      lambda: time_parts(temperature, 9, rounds=-(-3 // repeats)),
+      names=("baseline", "speculative", "parts"))
+  (base_each, base_tokens, base_out), (spec_each, spec_tokens, spec_out) = map(
+      median_pass, (base_runs, spec_runs))
+  parts = {part: float(np.median([p[part] for p in part_runs])) for part in part_runs[0]}
+  (base_decode, base_timing), (spec_decode, spec_timing) = paired_decode_seconds(
+      (base_each, base_out, base_tokens, lambda: bench.start_seconds(task, None)),
+      (spec_each, spec_out, spec_tokens, lambda: bench.start_seconds(task, drafter_key)))
+  base_ms = 1000 * float(np.sum(base_each)) / max(base_tokens, 1)
+  spec_ms = 1000 * float(np.sum(spec_each)) / max(spec_tokens, 1)
+  match = None
+  if temperature == 0.0 and lenience == 1.0:
+    match = all(np.array_equal(np.asarray(b.tokens), np.asarray(s.tokens))
+                for b, s in zip(base_out, spec_out))
+  return {
+      "summary": metrics.summarize_outputs(spec_out), "outputs": spec_out, "parts_ms": parts,
+      "baseline_ms_per_token": base_ms, "speculative_ms_per_token": spec_ms,
+      "speedup": base_ms / spec_ms, "baseline_decode_ms_per_token": 1000 * base_decode,
+      "speculative_decode_ms_per_token": 1000 * spec_decode,
+      "decode_speedup": base_decode / spec_decode,
+      "decode_timing": {"baseline": base_timing, "speculative": spec_timing},
+      "outputs_match_baseline": match, "prompts": len(bench.prompts[task]),
+  }
+
+
+def size_name(config) -> str:
+  """The named size a config equals (specjax.models.SIZES), else "custom"."""
+  return models.size_name(config) or "custom"
