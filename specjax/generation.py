@@ -53,7 +53,7 @@ class Generate:
     prompt_set = prompt_sets.load_prompt_set(prompts.name, prompts.split, prompts.limit,
                                              prompts.style)
     if self.drafter is not None:
-      core.validate_gamma(self.gamma)
+      Tree.chain(self.gamma)  # refuses a gamma that is not a whole number >= 1
     spec["content_keys"] = loading.content_keys(target, registry.checkpoints_of(
         () if self.drafter is None else (self.drafter,)))
     loaded, mesh = loading.load_target(target, self.mesh_shape)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax import speculative, theory
+from specjax import theory
+from specjax.decoding import acceptance
 from specjax.decoding import sampling
 
 # V = 4, gamma = 2. Row-wise draft / target distributions used by the hand cases below.
@@ -16,7 +17,7 @@ UNIFORM = [0.25, 0.25, 0.25, 0.25]
 
 
 def _accept(accept_u, resample_u, tokens, draft_probs, target_probs, lenience=1.0, greedy=False):
-  n, nxt = speculative.accept_with_uniforms(
+  n, nxt = acceptance.accept_with_uniforms(
       jnp.asarray(accept_u, jnp.float32), jnp.asarray(resample_u, jnp.float32),
       jnp.asarray(tokens, jnp.int32), jnp.asarray(draft_probs, jnp.float32),
       jnp.asarray(target_probs, jnp.float32), lenience, greedy)
@@ -65,7 +66,7 @@ def test_lenience_hand_case():
 def test_residual_normaliser_near_zero_falls_back_to_target():
   # target and draft differ by 4e-6 of mass: the residual [0, 0, 4e-6, 0] is below RESIDUAL_FLOOR, so
   # the rare rejection (u = 1 - 1e-6 > ratio 1 - 8e-6) draws from target_1 instead: u 0.2 -> token 0.
-  assert 4e-6 < speculative.RESIDUAL_FLOOR
+  assert 4e-6 < acceptance.RESIDUAL_FLOOR
   target = [[[0.5, 0.5 - 4e-6, 4e-6, 0.0], UNIFORM]]
   n, nxt = _accept([[1 - 1e-6]], [0.2], [[1]], [[[0.5, 0.5, 0.0, 0.0]]], target)
   assert (n, nxt) == ([0], [0])
@@ -103,7 +104,7 @@ def test_greedy_target_probs_breaks_float_ties_like_argmax():
   # exp(-1e-8) rounds to 1 in float32, so softmax ties two distinct logits; argmax(logits) says 1.
   logits = jnp.array([[0.0, 1e-8, -3.0]], jnp.float32)
   assert float(jax.nn.softmax(logits)[0, 0]) == float(jax.nn.softmax(logits)[0, 1])
-  probs = speculative.greedy_target_probs(logits)
+  probs = acceptance.greedy_target_probs(logits)
   assert int(jnp.argmax(probs)) == 1 == int(jnp.argmax(logits))
   n, nxt = _accept([[0.0]], [0.0], [[0]], [[[1.0, 0.0, 0.0]]], probs[:, None].repeat(2, 1),
                    greedy=True)
@@ -128,7 +129,7 @@ def test_lenience_accepts_more_and_bounds_emitted_probability():
   target = np.array([0.5, 0.3, 0.1, 0.1, 0.0], np.float32)
   draft = np.array([0.1, 0.1, 0.2, 0.3, 0.3], np.float32)
   rows = 200_000
-  run = jax.jit(speculative.accept)
+  run = jax.jit(acceptance.accept)
   rates = []
   for i, lenience in enumerate([1.0, 0.5, 0.2]):
     draw_rng, accept_rng = jax.random.split(jax.random.PRNGKey(i))
@@ -159,7 +160,7 @@ def test_acceptance_probs_matches_theory():
   draft = rng.dirichlet(np.ones(6), size=(3, 2)).astype(np.float32)
   target = rng.dirichlet(np.ones(6), size=(3, 3)).astype(np.float32)
   tokens = jnp.zeros((3, 2), jnp.int32)
-  beta = speculative.acceptance_probs(tokens, draft, target, 0.5, False)
+  beta = acceptance.acceptance_probs(tokens, draft, target, 0.5, False)
   np.testing.assert_allclose(beta, np.minimum(theory.alpha(target[:, :2], draft, 0.5), 1.0), rtol=1e-5)
 
 
@@ -167,7 +168,7 @@ def test_acceptance_probs_matches_theory():
 def test_accept_rng_wrapper_shapes(lenience):
   tokens = jnp.array([[0, 1, 2]] * 2, jnp.int32)
   probs = jnp.full((2, 3, 4), 0.25)
-  n, nxt = speculative.accept(jax.random.PRNGKey(0), tokens, probs, jnp.full((2, 4, 4), 0.25),
+  n, nxt = acceptance.accept(jax.random.PRNGKey(0), tokens, probs, jnp.full((2, 4, 4), 0.25),
                               lenience)
   assert n.shape == nxt.shape == (2,) and n.dtype == nxt.dtype == jnp.int32
   assert np.all(np.asarray(n) == 3)  # identical distributions accept everything

@@ -1,4 +1,5 @@
-"""The speculative loop: a numpy replay, greedy == target greedy, losslessness, alpha, compilations."""
+"""The loop with sampled chains (chain rejection): a numpy replay, greedy == target greedy,
+losslessness, alpha, compilations."""
 
 import dataclasses
 import functools
@@ -12,13 +13,15 @@ from scipy import stats
 
 from conftest import (BigramDrafter, assert_follows_laws, bigram_from_step, bigram_marginals,
                       bigram_model, random_decoder_params)
-from specjax import drafters, metrics, speculative, theory, timing
-from specjax.decoding import autoregressive, sampling
+from specjax import metrics, theory, timing
+from specjax.decoding import acceptance, autoregressive, core, sampling
+from specjax.drafters import expansion, lookup
+from specjax.drafters.model import ModelDrafter
 from specjax.contracts import StepModel
 from specjax.models import decoder_only
 
 # ---------------------------------------------------------------------------------------------------
-# Table models: logits looked up from fixed arrays (DESIGN.md: speculative.py never imports models/).
+# Table models: logits looked up from fixed arrays (DESIGN.md: the core never imports models/).
 
 
 
@@ -64,13 +67,17 @@ def _inverse_cdf(uniform, probs):
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _all_uniforms(rng, iterations, batch, gamma):
-  return jax.vmap(lambda i: speculative.iteration_uniforms(rng, i, batch, gamma))(iterations)
+  """A sampled chain's uniforms per iteration: the draft's [I, B, g], then chain rejection's accept
+  [I, B, g] and resample [I, B] (core.iteration_uniforms: the drafter's first)."""
+  u = jax.vmap(lambda i: core.iteration_uniforms(rng, i, batch, 2 * gamma + 1))(iterations)
+  return u[..., :gamma], u[..., gamma:2 * gamma], u[..., 2 * gamma]
 
 
-def numpy_reference(target_table, draft_table, prompts, rng, shape, temperature, top_p, lenience):
+def numpy_reference(target_table, draft_table, prompts, rng, shape, gamma, temperature, top_p,
+                    lenience):
   """Leviathan Alg. 1 row by row in numpy, with the loop's random numbers. Returns (tokens, n per
-  iteration) as lists per row."""
-  gamma, max_new = shape.gamma, shape.max_new_tokens
+  iteration) as lists per row. shape: the core.DecodeConfig."""
+  max_new = shape.max_new_tokens
   transform = functools.partial(sampling.probs_from_logits, temperature=temperature,
                                 top_k=shape.top_k, top_p=top_p)
   sample_tab = target_tab = np.asarray(transform(target_table), np.float64)
@@ -84,7 +91,7 @@ def numpy_reference(target_table, draft_table, prompts, rng, shape, temperature,
     return tab[seq[-2] if len(seq) > 1 else 0, seq[-1]]
 
   batch = len(prompts)
-  first_u = np.asarray(speculative.first_token_uniform(rng, batch))
+  first_u = np.asarray(core.first_token_uniform(rng, batch))
   all_u = _all_uniforms(rng, jnp.arange(max_new), batch, gamma)
   outs = [[_inverse_cdf(first_u[b], next_probs(sample_tab, p))] for b, p in enumerate(prompts)]
   done = [o[0] == shape.eos_id or max_new == 1 for o in outs]
@@ -112,7 +119,7 @@ def numpy_reference(target_table, draft_table, prompts, rng, shape, temperature,
         nxt = int(np.argmax(target_probs[n]))
       else:
         residual = np.maximum(target_probs[n] - lenience * (draft_probs[n] if n < gamma else 0), 0)
-        if residual.sum() <= speculative.RESIDUAL_FLOOR:
+        if residual.sum() <= acceptance.RESIDUAL_FLOOR:
           residual = target_probs[n]
         nxt = _inverse_cdf(resample_u[b], residual)
       accepted[b].append(n)
@@ -141,19 +148,18 @@ PROMPTS = [[1, 2, 3, 4, 5], [3], [2, 2, 0], [5, 1], [4, 4, 4, 4], [0, 1, 2]]
 @pytest.mark.parametrize("top_k,gamma,max_new", [(0, 3, 12), (3, 1, 12), (0, 5, 3)])
 def test_loop_matches_numpy_reference(top_k, gamma, max_new):
   vocab, eos = 6, 1
-  shape = speculative.SpecConfig(gamma=gamma, max_new_tokens=max_new, top_k=top_k, eos_id=eos,
-                                pad_id=-1)
+  shape = core.DecodeConfig(max_new_tokens=max_new, top_k=top_k, eos_id=eos, pad_id=-1)
   target_table, draft_table = _tables(vocab, seed=top_k, eos=eos)
   trigram = StepModel(trigram_step, trigram_cache)
-  fn = speculative.make_speculative_decode(trigram, drafters.ModelDrafter(trigram), shape)
+  fn = core.make_decode(trigram, expansion.SampledChain(ModelDrafter(trigram), gamma), shape)
   prompt_tokens, prompt_lengths = pad_prompts(PROMPTS)
   settings = [(1.0, 1.0, 1.0), (0.7, 0.8, 1.0), (1.0, 1.0, 0.5), (0.0, 1.0, 1.0), (0.0, 1.0, 0.6)]
   for seed, (temperature, top_p, lenience) in enumerate(settings):
     rng = jax.random.PRNGKey(seed)
     out = fn(target_table, draft_table, prompt_tokens, prompt_lengths, rng, temperature, top_p,
              lenience)
-    tokens, accepted = numpy_reference(target_table, draft_table, PROMPTS, rng, shape, temperature,
-                                       top_p, lenience)
+    tokens, accepted = numpy_reference(target_table, draft_table, PROMPTS, rng, shape, gamma,
+                                       temperature, top_p, lenience)
     setting = f"temperature={temperature} top_p={top_p} lenience={lenience}"
     for b in range(len(PROMPTS)):
       got = np.asarray(out.tokens[b])
@@ -162,7 +168,7 @@ def test_loop_matches_numpy_reference(top_k, gamma, max_new):
       got_n = np.asarray(out.stats.num_accepted[b])
       assert got_n[got_n >= 0].tolist() == accepted[b], setting
     assert int(out.target_calls) == max(len(a) for a in accepted)
-    assert int(out.draft_calls) == shape.gamma * int(out.target_calls)
+    assert int(out.draft_calls) == gamma * int(out.target_calls)
   assert fn.jitted._cache_size() == 1
 
 
@@ -200,21 +206,21 @@ def _target_greedy(batch):
 def _greedy_drafter(kind, step, init_cache, target_params):
   if kind == "lookup then random model":
     inner, params = _greedy_drafter("random model", step, init_cache, target_params)
-    return drafters.LookupThenDrafter(inner, drafters.PromptLookupDrafter(128, 2, 1)), params
+    return lookup.TokenLookupFront(inner, lookup.PromptLookupDrafter(128, 2, 1)), params
   if kind == "subset-head model":
     config = dataclasses.replace(TINY_DRAFT, tie_embeddings=False, head_size=40)
     params = random_decoder_params(dataclasses.replace(config, head_size=0), seed=2)
     params["lm_head"] = params["lm_head"][:, :40]
     params[decoder_only.HEAD_TOKENS] = np.arange(0, 120, 3, dtype=np.int32)
-    return (drafters.ModelDrafter(decoder_only.model(config)), params)
+    return (ModelDrafter(decoder_only.model(config)), params)
   if kind == "random model":
-    return (drafters.ModelDrafter(decoder_only.model(TINY_DRAFT)),
+    return (ModelDrafter(decoder_only.model(TINY_DRAFT)),
             random_decoder_params(TINY_DRAFT, seed=1))
   if kind == "identical model":
-    return drafters.ModelDrafter(StepModel(step, init_cache)), target_params
+    return ModelDrafter(StepModel(step, init_cache)), target_params
   if kind == "bigram":
     return BigramDrafter(), bigram_from_step(StepModel(step, init_cache), target_params, 128)
-  return drafters.PromptLookupDrafter(128, max_ngram=2), None
+  return lookup.PromptLookupDrafter(128, max_ngram=2), None
 
 
 @pytest.mark.parametrize("batch", [4, pytest.param(1, marks=pytest.mark.slow)])
@@ -225,8 +231,9 @@ def test_greedy_equals_target_greedy(kind, batch):
   prompt_tokens, prompt_lengths = prompt_tokens[:batch], prompt_lengths[:batch]
   drafter, draft_params = _greedy_drafter(kind, step, init_cache, target_params)
   expected = _target_greedy(batch)
-  shape = speculative.SpecConfig(**GREEDY_SHAPE, eos_id=eos, pad_id=-1)
-  out = speculative.make_speculative_decode(StepModel(step, init_cache), drafter, shape)(
+  gamma = GREEDY_SHAPE["gamma"]
+  shape = core.DecodeConfig(GREEDY_SHAPE["max_new_tokens"], eos_id=eos, pad_id=-1)
+  out = core.make_decode(StepModel(step, init_cache), expansion.SampledChain(drafter, gamma), shape)(
       target_params, draft_params, prompt_tokens, prompt_lengths, jax.random.PRNGKey(3), 0.0)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   np.testing.assert_array_equal(out.num_generated, expected.num_generated)
@@ -235,8 +242,8 @@ def test_greedy_equals_target_greedy(kind, batch):
     assert int(out.num_generated[0]) < 20 <= int(out.num_generated.max())
   n = np.asarray(out.stats.num_accepted)
   if kind == "identical model":  # (c) draft == target accepts every drafted token
-    assert np.all(n[n >= 0] == shape.gamma)
-    assert int(out.target_calls) < 20 // (shape.gamma + 1) + 1
+    assert np.all(n[n >= 0] == gamma)
+    assert int(out.target_calls) < 20 // (gamma + 1) + 1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -248,12 +255,12 @@ STAT_SHAPE = dict(gamma=3, max_new_tokens=6)
 
 @functools.lru_cache(maxsize=None)
 def _stat_fn(top_k, kind):
-  shape = speculative.SpecConfig(**STAT_SHAPE, top_k=top_k)
-  drafter = {"lookup": drafters.PromptLookupDrafter(VOCAB), "bigram": BigramDrafter(),
-             # lookup where a 2-gram repeats (often, with 6 tokens), the bigram elsewhere
-             "lookup+bigram": drafters.LookupThenDrafter(
-                 BigramDrafter(), drafters.PromptLookupDrafter(VOCAB, 2, 2))}[kind]
-  return speculative.make_speculative_decode(bigram_model(), drafter, shape)
+  shape = core.DecodeConfig(STAT_SHAPE["max_new_tokens"], top_k=top_k)
+  step = {"lookup": lookup.PromptLookupDrafter(VOCAB), "bigram": BigramDrafter(),
+          # lookup where a 2-gram repeats (often, with 6 tokens), the bigram elsewhere
+          "lookup+bigram": lookup.TokenLookupFront(
+              BigramDrafter(), lookup.PromptLookupDrafter(VOCAB, 2, 2))}[kind]
+  return core.make_decode(bigram_model(), expansion.SampledChain(step, STAT_SHAPE["gamma"]), shape)
 
 
 def _run_stat(target, draft, seed, temperature=1.0, top_p=1.0, lenience=1.0, top_k=0,
@@ -359,8 +366,8 @@ def test_acceptance_rate_matches_alpha(lenience):
 
 def test_sweeping_traced_values_does_not_recompile():
   target, draft = _random_pair(0)
-  fn = speculative.make_speculative_decode(bigram_model(), BigramDrafter(),
-                                           speculative.SpecConfig(gamma=2, max_new_tokens=5))
+  fn = core.make_decode(bigram_model(), expansion.SampledChain(BigramDrafter(), 2),
+                        core.DecodeConfig(max_new_tokens=5))
   prompt, lengths = pad_prompts([[1, 2], [3]])
   for i, (temperature, top_p, lenience) in enumerate(
       [(0, 1, 1), (0.5, 0.9, 1.0), (1.0, 1.0, 0.3), (np.float64(2.0), 0.5, 0.75), (0.0, 1.0, 0.5)]):
@@ -372,15 +379,15 @@ def test_sweeping_traced_values_does_not_recompile():
 def test_bad_input():
   for gamma in [0, -1, 2.5]:
     with pytest.raises(ValueError, match="gamma"):
-      speculative.SpecConfig(gamma=gamma, max_new_tokens=4)
+      expansion.SampledChain(BigramDrafter(), gamma)
   with pytest.raises(ValueError, match="top_k"):
-    speculative.SpecConfig(gamma=2, max_new_tokens=4, top_k=-1)
+    core.DecodeConfig(max_new_tokens=4, top_k=-1)
   with pytest.raises(ValueError, match="max_new_tokens"):
-    speculative.SpecConfig(gamma=2, max_new_tokens=0)
+    core.DecodeConfig(max_new_tokens=0)
 
   target, draft = _random_pair(0)
-  fn = speculative.make_speculative_decode(bigram_model(), BigramDrafter(),
-                                           speculative.SpecConfig(gamma=2, max_new_tokens=4))
+  fn = core.make_decode(bigram_model(), expansion.SampledChain(BigramDrafter(), 2),
+                        core.DecodeConfig(max_new_tokens=4))
   prompt, lengths = pad_prompts([[1, 2]])
   for lenience in [0.0, -0.5, 1.5, float("nan")]:
     with pytest.raises(ValueError, match="lenience"):
@@ -392,10 +399,11 @@ def test_bad_input():
   wide_draft = np.zeros((VOCAB, VOCAB + 2), np.float32)
   with pytest.raises(ValueError, match=f"target has {VOCAB} tokens, the drafter {VOCAB + 2}"):
     fn(target, wide_draft, prompt, lengths, jax.random.PRNGKey(0))
-  lookup = speculative.make_speculative_decode(bigram_model(), drafters.PromptLookupDrafter(VOCAB + 1),
-                                               speculative.SpecConfig(gamma=2, max_new_tokens=4))
+  wide_lookup = core.make_decode(
+      bigram_model(), expansion.SampledChain(lookup.PromptLookupDrafter(VOCAB + 1), 2),
+      core.DecodeConfig(max_new_tokens=4))
   with pytest.raises(ValueError, match="vocabulary sizes differ"):
-    lookup(target, None, prompt, lengths, jax.random.PRNGKey(0))
+    wide_lookup(target, None, prompt, lengths, jax.random.PRNGKey(0))
 
 
 @pytest.mark.slow
@@ -408,9 +416,9 @@ def test_greedy_equals_target_greedy_on_smollm2(smollm2):
   target = decoder_only.model(config)
   expected = autoregressive.make_generate(target, autoregressive.DecodeShape(16, eos_id=2))(
       params, prompt_tokens, prompt_lengths, jax.random.PRNGKey(0), 0.0)
-  out = speculative.make_speculative_decode(
-      target, drafters.PromptLookupDrafter(config.vocab_size),
-      speculative.SpecConfig(gamma=3, max_new_tokens=16, eos_id=2))(
+  out = core.make_decode(
+      target, expansion.SampledChain(lookup.PromptLookupDrafter(config.vocab_size), 3),
+      core.DecodeConfig(max_new_tokens=16, eos_id=2))(
           params, None, prompt_tokens, prompt_lengths, jax.random.PRNGKey(0), 0.0)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   np.testing.assert_array_equal(out.num_generated, expected.num_generated)
@@ -437,18 +445,19 @@ def test_loop_seconds_separates_the_per_prompt_cost_from_the_loop():
   assert per_iteration == pytest.approx(0.0006, rel=0.25)
 
 
-def test_chain_step_costs_times_each_part_of_the_real_loop_body():
+def test_iteration_costs_time_each_part_of_the_real_loop_body():
   # A table-model target (StepModel) with a model draft, both temperatures from one compile per part.
   target_params, step, init_cache, prompt_tokens, prompt_lengths, _ = _decoder_setup()
   drafter, draft_params = _greedy_drafter("random model", step, init_cache, target_params)
-  config = speculative.SpecConfig(gamma=3, max_new_tokens=12)
+  drafter = expansion.SampledChain(drafter, 3)
+  config = core.DecodeConfig(max_new_tokens=12)
   probe = (prompt_tokens[:1], prompt_lengths[:1])
-  costs = timing.chain_step_costs(StepModel(step, init_cache), target_params, drafter, draft_params,
-                                   config, probe, 2, (0.0, 1.0))
+  costs = timing.iteration_costs(StepModel(step, init_cache), target_params, drafter, draft_params,
+                                 config, probe, 2, (0.0, 1.0))
   assert sorted(costs) == [0.0, 1.0]
   for parts in costs.values():
     assert sorted(parts) == ["accept", "draft", "verify"]
     assert all(np.isfinite(ms) and ms > 0 for ms in parts.values())
-  only = timing.chain_step_costs(StepModel(step, init_cache), target_params, drafter, draft_params,
-                                  config, probe, 2, (1.0,), parts=("draft",))
+  only = timing.iteration_costs(StepModel(step, init_cache), target_params, drafter, draft_params,
+                                config, probe, 2, (1.0,), parts=("draft",))
   assert list(only) == [1.0] and list(only[1.0]) == ["draft"]

@@ -61,11 +61,6 @@ class DecodeConfig:
     autoregressive.validate_decode(self.max_new_tokens, self.top_k)
 
 
-def validate_gamma(gamma: int) -> None:
-  if int(gamma) != gamma or gamma < 1:
-    raise ValueError(f"gamma (draft tokens per iteration) must be a whole number >= 1, got {gamma}")
-
-
 def validate_traced(temperature: float, top_p: float, lenience: float, lenient: bool = True) -> None:
   """Range checks for the traced settings, on the host (inside jit they cannot raise)."""
   sampling.validate_sampling(temperature, 0, top_p)

@@ -45,9 +45,11 @@ class Tree:
     object.__setattr__(self, "paths", paths)
 
   @classmethod
-  def chain(cls, depth: int) -> "Tree":
-    """gamma = depth candidates in a row: the chain as a tree."""
-    return cls.spine(depth, 1)
+  def chain(cls, gamma: int) -> "Tree":
+    """gamma candidates in a row: the chain as a tree."""
+    if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
+      raise ValueError(f"gamma (draft tokens per iteration) must be a whole number >= 1, got {gamma}")
+    return cls.spine(gamma, 1)
 
   @classmethod
   def spine(cls, depth: int, width: int) -> "Tree":

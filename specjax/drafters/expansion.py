@@ -58,6 +58,9 @@ class SampledChain:
   sampled = True
   features = None
 
+  def __post_init__(self):
+    trees.Tree.chain(self.gamma)  # refuses a gamma that is not a whole number >= 1
+
   @property
   def tree(self) -> trees.Tree:
     return trees.Tree.chain(self.gamma)
