@@ -1,4 +1,5 @@
-"""Token-tree verification (specjax/trees.py): tree attention, losslessness, a numpy replay; for
+"""Token-tree verification (decoding/tree.py, the walk in decoding/acceptance.py, the one loop in
+decoding/core.py): tree attention, losslessness, a numpy replay; for
 decoder-only and T5 targets (the tree loop's law on an encoder-decoder table model:
 tests/test_t5_decoding.py).
 
@@ -8,6 +9,7 @@ target-only sampling (chi-square, as tests/test_speculative.py); the loop equals
 walk with the same uniforms; the walk's law equals explicit multi-round rejection with one-hot drafts.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -17,8 +19,11 @@ import pytest
 
 from conftest import (BigramDrafter, assert_follows_laws, bigram_cache, bigram_marginals,
                       bigram_step, ragged_source, random_decoder_params, random_t5_params)
-from specjax import contracts, drafters, speculative, tree_drafters, trees
-from specjax.decoding import autoregressive, sampling
+from specjax import contracts
+from specjax.decoding import autoregressive, core, sampling
+from specjax.decoding import tree as trees
+from specjax.drafters import expansion, lookup
+from specjax.drafters.model import ModelDrafter
 from specjax.models import decoder_only, t5
 
 TINY = decoder_only.SIZES["tiny"]
@@ -55,14 +60,15 @@ def test_tree_shapes():
   tree = random_tree(3, nodes=12)
   for i, path in enumerate(tree.paths, start=1):
     expected = {0} | {tree.paths.index(path[:k]) + 1 for k in range(1, len(path) + 1)}
-    assert set(np.flatnonzero(tree.ancestors[i])) == expected
+    assert set(np.flatnonzero(trees.ancestors(tree.parents)[i])) == expected
 
 
 def assert_tree_logits_equal_chain_logits(model, params, batch, tree_seed, context_of_rows):
   """Every node scored in one tree call has the logits and hidden state of its path run as a chain
   (float32). context_of_rows(rows) -> the model's context for those batch rows (None: decoder-only)."""
   tree = random_tree(tree_seed, nodes=10)
-  step = jax.jit(model.feature_step)  # one compile per shape, not one per op
+  # one compile per shape, not one per op
+  step = jax.jit(functools.partial(model.forward, features=contracts.FeatureSpec(final_norm=True)))
   rng = np.random.RandomState(tree_seed)
   lengths = jnp.asarray([5, 3, 1, 6][:batch], jnp.int32)
   prefix = jnp.asarray(rng.randint(0, 128, (batch, 6)), jnp.int32)
@@ -72,11 +78,11 @@ def assert_tree_logits_equal_chain_logits(model, params, batch, tree_seed, conte
   _, _, cache = step(params, context, prefix, positions, model.init_cache(batch, slots))
   cache = contracts.set_lengths(cache, lengths)
   tokens = jnp.asarray(rng.randint(0, 128, (batch, tree.size)), jnp.int32)
-  positions, slots_, visible = trees.attention_inputs(tree, lengths, slots)
+  positions, slots_, visible = trees.attention_inputs(tree.parents, lengths, slots)
   logits, hidden, _ = step(params, context, tokens, positions, cache, slots_, visible)
   # The oracle: every (row, node) path as its own right-padded chain, all in one causal call.
   chains = [np.concatenate([np.asarray(prefix[b, :lengths[b]]),
-                            np.asarray(tokens[b, np.flatnonzero(tree.ancestors[i])])])
+                            np.asarray(tokens[b, np.flatnonzero(trees.ancestors(tree.parents)[i])])])
             for b in range(batch) for i in range(tree.size)]
   padded = np.zeros((len(chains), slots), np.int32)
   for row, chain in enumerate(chains):
@@ -135,11 +141,11 @@ def _greedy_setup(family):
 
 def _greedy_drafter(kind, model, params):
   return {
-      "random model": (drafters.ModelDrafter(decoder_only.model(TINY_DRAFT)),
+      "random model": (ModelDrafter(decoder_only.model(TINY_DRAFT)),
                        random_decoder_params(TINY_DRAFT, seed=1)),
-      "random T5": (drafters.ModelDrafter(t5.model(T5_DRAFT)), random_t5_params(T5_DRAFT, seed=7)),
-      "identical model": (drafters.ModelDrafter(model), params),
-      "prompt lookup": (drafters.PromptLookupDrafter(128, max_ngram=2), None)}[kind]
+      "random T5": (ModelDrafter(t5.model(T5_DRAFT)), random_t5_params(T5_DRAFT, seed=7)),
+      "identical model": (ModelDrafter(model), params),
+      "prompt lookup": (lookup.PromptLookupDrafter(128, max_ngram=2), None)}[kind]
 
 
 @pytest.mark.parametrize("family,kind,tree_name", [
@@ -154,8 +160,8 @@ def test_greedy_equals_target_greedy(family, kind, tree_name):
   model, params, prompt, source, eos, pad, max_new, expected = _greedy_setup(family)
   drafter, draft_params = _greedy_drafter(kind, model, params)
   tree = trees.Tree.from_name(tree_name)
-  out = trees.make_tree_decode(model, tree_drafters.ChainTopK(drafter),
-                               trees.TreeConfig(tree, max_new, eos_id=eos, pad_id=pad))(
+  out = core.make_decode(model, expansion.TopK(drafter, tree),
+                         core.DecodeConfig(max_new, eos_id=eos, pad_id=pad))(
       params, draft_params, *prompt, jax.random.PRNGKey(3), 0.0, source=source)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   np.testing.assert_array_equal(out.num_generated, expected.num_generated)
@@ -173,26 +179,27 @@ ROWS, VOCAB, MAX_NEW = 4000, 6, 6
 
 def tree_bigram_model():
   """The bigram table model (conftest) as a tree model: a node's logits depend on its own token only,
-  its hidden state is empty and the lengths-only cache has nothing to compact."""
-  def features(table, tokens, positions, cache, slots=None, visible=None):
+  its features are empty and the lengths-only cache has nothing to compact."""
+  def forward(table, tokens, positions, cache, slots=None, visible=None, features=None):
     lengths = (positions if slots is None else slots)[:, -1] + 1
-    return table[tokens], jnp.zeros(tokens.shape + (1,)), cache.replace(lengths=lengths)
-  return contracts.StepModel(bigram_step, bigram_cache, features=features,
+    tapped = None if features is None else jnp.zeros(tokens.shape + (1,))
+    return table[tokens], tapped, cache.replace(lengths=lengths)
+  return contracts.StepModel(bigram_step, bigram_cache, forward_fn=forward,
                              move=lambda cache, source, dest: cache)
 
 
-class TableTreeDrafter:
+@dataclasses.dataclass(frozen=True)
+class TableTreeDrafter(expansion.Ranked):
   """Candidates looked up by the root token: params[root] is [depth, width] (any tokens at all)."""
+  tree: trees.Tree
+  features = None
+  calls_per_iteration = 1
 
-  def init(self, params, prompt_tokens, prompt_lengths, max_length, source=None):
+  def init(self, params, prompt_tokens, prompt_lengths, max_length, source=None, features=None):
     return None
 
-  def candidates(self, params, state, history, position, features, depth, width):
-    root = jnp.take_along_axis(history, position[:, None], axis=1)[:, 0]
-    return params[root][:, :depth, :width], state
-
-  def calls_per_iteration(self, depth):
-    return 1
+  def candidates(self, params, state, context, depth, width):
+    return params[context.root][:, :depth, :width], state
 
 
 def _target_table(seed=10, scale=2.0):
@@ -211,12 +218,11 @@ def _candidate_table(case, depth, width, seed=11):
 
 @functools.lru_cache(maxsize=None)
 def _stat_fn(drafter_kind, tree_name, top_k):
-  drafter = {"table": TableTreeDrafter(),
-             "bigram top-k": tree_drafters.ChainTopK(BigramDrafter()),
-             "lookup": tree_drafters.ChainTopK(drafters.PromptLookupDrafter(VOCAB, 2, 1))}[drafter_kind]
-  return trees.make_tree_decode(tree_bigram_model(), drafter,
-                                trees.TreeConfig(trees.Tree.from_name(tree_name), MAX_NEW,
-                                                 top_k=top_k))
+  tree = trees.Tree.from_name(tree_name)
+  drafter = {"table": TableTreeDrafter(tree),
+             "bigram top-k": expansion.TopK(BigramDrafter(), tree),
+             "lookup": expansion.TopK(lookup.PromptLookupDrafter(VOCAB, 2, 1), tree)}[drafter_kind]
+  return core.make_decode(tree_bigram_model(), drafter, core.DecodeConfig(MAX_NEW, top_k=top_k))
 
 
 CASES = [("table", "full:3,2,1", "random children", {}),
@@ -267,7 +273,7 @@ def numpy_tree_reference(tree, target, candidate_table, prompts, rng, max_new, t
   with the EOS / max_new cuts."""
   probs = np.asarray(sampling.probs_from_logits(jnp.asarray(target), temperature, top_k, top_p))
   batch = len(prompts)
-  first_u = np.asarray(speculative.first_token_uniform(rng, batch))
+  first_u = np.asarray(core.first_token_uniform(rng, batch))
   outputs = []
   for b in range(batch):
     draw = lambda u, p: int(sampling.sample_with_uniform(jnp.float32(u), jnp.asarray(p)))
@@ -307,8 +313,8 @@ def test_loop_matches_numpy_reference(tree_name, temperature, top_k, top_p):
   table[:, :, :2] = np.argsort(-target, axis=1)[:, None, :2]
   prompts = [[3], [5], [7], [0], [11], [4]]
   eos, max_new, rng = 9, 14, jax.random.PRNGKey(7)
-  out = trees.make_tree_decode(tree_bigram_model(), TableTreeDrafter(),
-                               trees.TreeConfig(tree, max_new, top_k=top_k, eos_id=eos, pad_id=-1))(
+  out = core.make_decode(tree_bigram_model(), TableTreeDrafter(tree),
+                         core.DecodeConfig(max_new, top_k=top_k, eos_id=eos, pad_id=-1))(
       jnp.asarray(target), jnp.asarray(table), jnp.asarray(prompts, jnp.int32),
       jnp.ones((len(prompts),), jnp.int32), rng, temperature, top_p)
   expected = numpy_tree_reference(tree, target, table, prompts, rng, max_new, temperature, top_k,
@@ -369,12 +375,18 @@ def test_bad_input():
     trees.Tree(((0,), (1, 0)))
   with pytest.raises(ValueError, match="width must be"):
     trees.Tree.spine(3, 0)
-  with pytest.raises(ValueError, match="cannot verify token trees"):
-    trees.make_tree_decode(contracts.StepModel(bigram_step, bigram_cache), TableTreeDrafter(),
-                           trees.TreeConfig(trees.Tree.chain(2), 4))
-  decode = trees.make_tree_decode(model, tree_drafters.ChainTopK(drafters.PromptLookupDrafter(128)),
-                                  trees.TreeConfig(trees.Tree.chain(2), 4))
   prompt = jnp.ones((1, 3), jnp.int32)
+  spine = trees.Tree.spine(2, 2)
+  plain = core.make_decode(contracts.StepModel(bigram_step, bigram_cache), TableTreeDrafter(spine),
+                           core.DecodeConfig(4))
+  with pytest.raises(ValueError, match="cannot verify token trees"):
+    plain(jnp.zeros((VOCAB, VOCAB)), jnp.zeros((VOCAB, 2, 2), jnp.int32), prompt, jnp.array([3]),
+          jax.random.PRNGKey(0))
+  decode = core.make_decode(model, expansion.TopK(lookup.PromptLookupDrafter(128), spine),
+                            core.DecodeConfig(4))
+  with pytest.raises(ValueError, match="lenience .* is a property of chain rejection"):
+    decode(random_decoder_params(TINY), None, prompt, jnp.array([3]), jax.random.PRNGKey(0), 1.0,
+           1.0, 0.5)
   with pytest.raises(ValueError, match="temperature must be >= 0"):
     decode(random_decoder_params(TINY), None, prompt, jnp.array([3]), jax.random.PRNGKey(0), -1.0)
   with pytest.raises(ValueError, match="top_p must lie in"):
@@ -392,11 +404,12 @@ def test_top_ids_equal_lax_top_k():
 def test_lookup_in_front_copies_the_repeated_span():
   """Where the context repeats, prompt lookup puts the tokens that followed the earlier occurrence at
   rank 0 of each depth and the inner drafter's candidates behind them; elsewhere only the inner's."""
-  inner = TableTreeDrafter()
+  inner = TableTreeDrafter(trees.Tree.full([3, 3, 3]))
   table = np.tile(np.arange(3, 6, dtype=np.int32)[None, None, :], (VOCAB, 3, 1))  # ranks 3, 4, 5
-  drafter = tree_drafters.LookupThenTree(inner, max_ngram=2, min_ngram=2)
+  drafter = lookup.TreeLookupFront(inner, max_ngram=2, min_ngram=2)
   history = jnp.asarray([[0, 1, 2, 0, 1, 0, 0, 0], [5, 4, 3, 2, 1, 0, 0, 0]], jnp.int32)
   position = jnp.asarray([4, 4], jnp.int32)  # row 0 ends with "0 1", seen at 0..1 followed by 2, 0, 1
-  candidates, _ = drafter.candidates(jnp.asarray(table), None, history, position, None, 3, 3)
+  context = contracts.DraftContext(history, position)
+  candidates, _ = drafter.candidates(jnp.asarray(table), None, context, 3, 3)
   np.testing.assert_array_equal(candidates[0], [[2, 3, 4], [0, 3, 4], [1, 3, 4]])
   np.testing.assert_array_equal(candidates[1], [[3, 4, 5]] * 3)
