@@ -1,6 +1,6 @@
 """Shared fixtures and table models. Multi-device tests set XLA_FLAGS themselves in a subprocess.
 
-Table models (DESIGN.md: speculative.py never imports models/, so the loop can be tested on logits
+Table models (DESIGN.md: the decoding core never imports models/, so the loop can be tested on logits
 looked up from fixed arrays): `bigram_step` / `bigram_cache` as a target, `BigramDrafter` over a dense
 [V, V] log-prob table, and `bigram_table` / `bigram_from_step` to build such tables.
 """
@@ -52,7 +52,7 @@ class LengthsCache:
 
 
 def bigram_step(table, tokens, positions, cache):
-  """A table model (DESIGN.md: speculative.py never imports models/): next-token logits =
+  """A table model (DESIGN.md: the decoding core never imports models/): next-token logits =
   table[token]; the cache only tracks lengths."""
   return table[tokens], cache.replace(lengths=positions[:, -1] + 1)
 
@@ -198,7 +198,7 @@ def tiny_t5_files(root: pathlib.Path, config=None, seed: int = 21):
 def generation_gin(path, output_dir, checkpoint, vocabulary_path, prompts, max_new_tokens=10):
   """A `generation.Generate` config for `checkpoint` over a prompts file (all of it, batches of 2)."""
   path.write_text(f"""from __gin__ import dynamic_registration
-from specjax import run
+from specjax import generation, run, specs
 
 run.main.job = @generation.Generate()
 generation.Generate:
