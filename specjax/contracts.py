@@ -218,7 +218,9 @@ class DraftContext:
   position[B]: the root's position: the newest committed token, not yet scored by the target.
   features[B, K, F] (None unless the drafter asks): the target's features at positions
     position - feature_count .. position - 1 (entry j at position - feature_count + j): those
-    accepted since the drafter's last call (after the prefill: the prompt's last position).
+    accepted since the drafter's last call (after the prefill: the prompt's last position). A row
+    that has finished keeps its last window (the loop still calls the drafter for it, and ignores
+    what it proposes), so a drafter that writes features at their positions writes the same again.
   feature_count[B]: how many entries of `features` are valid (>= 1).
   """
   history: jax.Array

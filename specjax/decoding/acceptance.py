@@ -246,20 +246,24 @@ def multi_round_walk(parents, tokens: jax.Array, draft_probs: jax.Array, target_
     chosen = node
     miss_chance = jnp.ones((batch,))
     for c in range(width):
+      # The residual and the miss chance follow the path on which every child is rejected (what
+      # beta needs); a row that accepted an earlier child only stops testing.
       child = candidates[:, c]
-      valid = (child >= 0) & ~found
+      exists = child >= 0
       index = jnp.maximum(child, 0)
       token = tokens[rows, index]
       proposal = draft_probs[rows, jnp.maximum(index - 1, 0)]
       at_token = lambda probs: jnp.take_along_axis(probs, token[:, None], axis=1)[:, 0]
       target_mass, draft_mass = at_token(residual), at_token(proposal)
-      ok = valid & (accept_uniforms[rows, index] * draft_mass < target_mass)
+      ok = exists & ~found & (accept_uniforms[rows, index] * draft_mass < target_mass)
       chance = jnp.where(draft_mass > 0, jnp.minimum(target_mass / jnp.maximum(draft_mass, 1e-30),
-                                                     1.0), 0.0)
-      miss_chance = jnp.where(valid, miss_chance * (1.0 - chance), miss_chance)
+                                                     1.0), (target_mass > 0).astype(jnp.float32))
+      miss_chance = jnp.where(exists, miss_chance * (1.0 - chance), miss_chance)
+      # After a rejection the residual is renormalised: the next child's test compares against it.
       rest = jnp.maximum(residual - proposal, 0.0)
-      enough = jnp.sum(rest, axis=-1, keepdims=True) > RESIDUAL_FLOOR
-      residual = jnp.where((valid & ~ok)[:, None], jnp.where(enough, rest, residual), residual)
+      mass = jnp.sum(rest, axis=-1, keepdims=True)
+      rest = jnp.where(mass > RESIDUAL_FLOOR, rest / jnp.maximum(mass, RESIDUAL_FLOOR), residual)
+      residual = jnp.where(exists[:, None], rest, residual)
       chosen = jnp.where(ok, index, chosen)
       found = found | ok
     betas.append(jnp.where(going, 1.0 - miss_chance, 0.0))
