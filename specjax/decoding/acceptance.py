@@ -179,6 +179,35 @@ def accept(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array, targ
 # The tree walk.
 
 
+def _walk(parents, target_probs: jax.Array, uniforms: jax.Array, depth: int,
+          try_children) -> Verdict:
+  """The walk's skeleton: from the root, at each depth `try_children(d, probs[B, V], is_child[B, T],
+  uniform[B]) -> (found, child, drawn, beta)` decides whether a child of the current node is
+  accepted (then the walk moves to it) or `drawn` is emitted (then it stops); past the deepest level
+  the bonus token is drawn from the node's distribution with uniforms[:, depth]."""
+  batch, size, _ = target_probs.shape
+  rows = jnp.arange(batch)
+  children = jnp.broadcast_to(jnp.asarray(trees.children(parents)), (batch, size, size))
+  node = jnp.zeros((batch,), jnp.int32)
+  going = jnp.ones((batch,), bool)
+  num_accepted = jnp.zeros((batch,), jnp.int32)
+  path, betas = [node], []
+  for d in range(depth):
+    found, child, drawn, beta = try_children(d, target_probs[rows, node], children[rows, node],
+                                             uniforms[:, d])
+    betas.append(jnp.where(going, beta, 0.0))
+    found = going & found
+    next_token = drawn if d == 0 else jnp.where(going & ~found, drawn, next_token)
+    node = jnp.where(found, child, node).astype(jnp.int32)
+    num_accepted = num_accepted + found
+    going = found
+    path.append(node)
+  bonus = sampling.sample_with_uniform(uniforms[:, depth], target_probs[rows, node])
+  next_token = bonus if depth == 0 else jnp.where(going, bonus, next_token)
+  return Verdict(jnp.stack(path, axis=1), num_accepted, next_token.astype(jnp.int32),
+                 jnp.stack(betas, axis=1) if betas else jnp.zeros((batch, 0)))
+
+
 def walk(parents, tokens: jax.Array, target_probs: jax.Array, uniforms: jax.Array,
          depth: int) -> Verdict:
   """The walk over point-mass candidates (module docstring) with its random numbers given.
@@ -187,31 +216,17 @@ def walk(parents, tokens: jax.Array, target_probs: jax.Array, uniforms: jax.Arra
   V] the target's distribution after each node (transformed; one-hot at temperature 0);
   uniforms[B, depth + 1], one per depth. betas: the target's mass on the node's distinct child tokens.
   """
-  batch, size, vocab = target_probs.shape
+  batch, _, vocab = target_probs.shape
   rows = jnp.arange(batch)
-  children = jnp.broadcast_to(jnp.asarray(trees.children(parents)), (batch, size, size))
-  node = jnp.zeros((batch,), jnp.int32)
-  going = jnp.ones((batch,), bool)
-  num_accepted = jnp.zeros((batch,), jnp.int32)
-  next_token = jnp.zeros((batch,), jnp.int32)
-  path, betas = [node], []
-  for d in range(depth + 1):
-    probs = target_probs[rows, node]
-    drawn = sampling.sample_with_uniform(uniforms[:, d], probs)
-    if d == depth:
-      next_token = jnp.where(going, drawn, next_token)
-      break
-    is_child = children[rows, node]  # [B, T]
+
+  def try_children(d, probs, is_child, uniform):
+    drawn = sampling.sample_with_uniform(uniform, probs)
     child_tokens = jnp.zeros((batch, vocab), bool).at[rows[:, None], tokens].max(is_child)
-    betas.append(jnp.where(going, jnp.sum(jnp.where(child_tokens, probs, 0.0), axis=-1), 0.0))
     match = is_child & (tokens == drawn[:, None])
-    found = going & jnp.any(match, axis=1)
-    next_token = jnp.where(going & ~found, drawn, next_token)
-    node = jnp.where(found, jnp.argmax(match, axis=1).astype(jnp.int32), node)
-    num_accepted = num_accepted + found
-    going = found
-    path.append(node)
-  return Verdict(jnp.stack(path, axis=1), num_accepted, next_token, jnp.stack(betas, axis=1))
+    return (jnp.any(match, axis=1), jnp.argmax(match, axis=1), drawn,
+            jnp.sum(jnp.where(child_tokens, probs, 0.0), axis=-1))
+
+  return _walk(parents, target_probs, uniforms, depth, try_children)
 
 
 def multi_round_walk(parents, tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array,
@@ -226,25 +241,12 @@ def multi_round_walk(parents, tokens: jax.Array, draft_probs: jax.Array, target_
   """
   batch, size, _ = target_probs.shape
   rows = jnp.arange(batch)
-  children = jnp.broadcast_to(jnp.asarray(trees.children(parents)), (batch, size, size))
-  node = jnp.zeros((batch,), jnp.int32)
-  going = jnp.ones((batch,), bool)
-  num_accepted = jnp.zeros((batch,), jnp.int32)
-  next_token = jnp.zeros((batch,), jnp.int32)
-  path, betas = [node], []
-  for d in range(depth + 1):
-    residual = target_probs[rows, node]
-    if d == depth:
-      drawn = sampling.sample_with_uniform(resample_uniforms[:, d], residual)
-      next_token = jnp.where(going, drawn, next_token)
-      break
-    is_child = children[rows, node]  # [B, T]
+
+  def try_children(d, residual, is_child, uniform):
     # The node's children in node order, padded with -1 to the static width.
     order = jnp.argsort(jnp.where(is_child, jnp.arange(size), size + jnp.arange(size)), axis=1)
     candidates = jnp.where(jnp.take_along_axis(is_child, order, axis=1), order, -1)[:, :width]
-    found = jnp.zeros((batch,), bool)
-    chosen = node
-    miss_chance = jnp.ones((batch,))
+    found, chosen, miss_chance = jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32), 1.0
     for c in range(width):
       # The residual and the miss chance follow the path on which every child is rejected (what
       # beta needs); a row that accepted an earlier child only stops testing.
@@ -266,15 +268,9 @@ def multi_round_walk(parents, tokens: jax.Array, draft_probs: jax.Array, target_
       residual = jnp.where(exists[:, None], rest, residual)
       chosen = jnp.where(ok, index, chosen)
       found = found | ok
-    betas.append(jnp.where(going, 1.0 - miss_chance, 0.0))
-    drawn = sampling.sample_with_uniform(resample_uniforms[:, d], residual)
-    found = going & found
-    next_token = jnp.where(going & ~found, drawn, next_token)
-    node = jnp.where(found, chosen, node).astype(jnp.int32)
-    num_accepted = num_accepted + found
-    going = found
-    path.append(node)
-  return Verdict(jnp.stack(path, axis=1), num_accepted, next_token, jnp.stack(betas, axis=1))
+    return found, chosen, sampling.sample_with_uniform(uniform, residual), 1.0 - miss_chance
+
+  return _walk(parents, target_probs, resample_uniforms, depth, try_children)
 
 
 # ----------------------------------------------------------------------------------------------------

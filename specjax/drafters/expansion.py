@@ -46,17 +46,30 @@ def _ranking(logits: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class SampledChain:
+class _OfStep:
+  """A drafter made of a one-token step: its family and prefill are the step's."""
+  step: Any
+  features = None
+
+  @property
+  def encoder_decoder(self):
+    return getattr(self.step, "encoder_decoder", None)
+
+  def init(self, params, prompt_tokens, prompt_lengths, max_length, source=None, features=None):
+    del features
+    return self.step.init(params, prompt_tokens, prompt_lengths, max_length, source)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledChain(_OfStep):
   """gamma tokens drawn from a one-token step: x_i = inverse-CDF(uniforms[:, i], draft_probs_i).
 
   The first call feeds [history[position - 1], root] at [position - 1, position] (the step first
   forgets everything from position - 1 on): after an iteration that accepted every draft the step
   never saw x_gamma (now at position - 1), and re-feeding an already cached token rewrites the same
   slot, so one static shape covers both cases. Later calls feed one token."""
-  step: Any
   gamma: int
   sampled = True
-  features = None
 
   def __post_init__(self):
     trees.Tree.chain(self.gamma)  # refuses a gamma that is not a whole number >= 1
@@ -72,14 +85,6 @@ class SampledChain:
   @property
   def calls_per_iteration(self) -> int:
     return self.gamma
-
-  @property
-  def encoder_decoder(self):
-    return getattr(self.step, "encoder_decoder", None)
-
-  def init(self, params, prompt_tokens, prompt_lengths, max_length, source=None, features=None):
-    del features
-    return self.step.init(params, prompt_tokens, prompt_lengths, max_length, source)
 
   def draft(self, params, state, context: DraftContext, uniforms, transform):
     """-> Proposal(tokens[B, g], draft_probs[B, g, V]), the step's new state."""
@@ -105,27 +110,17 @@ class SampledChain:
 
 
 @dataclasses.dataclass(frozen=True)
-class TopK(Ranked):
+class TopK(_OfStep, Ranked):
   """A one-token step's top-1 chain of `depth` tokens, with its top-`width` tokens at each depth.
 
   Each iteration re-feeds the last depth + 1 committed tokens at their positions, so the step's cache
   holds the committed text whichever branch was accepted (re-feeding a cached token rewrites the same
   slot; positions before 0 are clipped to 0 and repeat the first token)."""
-  step: Any
   tree: trees.Tree
-  features = None
 
   @property
   def calls_per_iteration(self) -> int:
     return self.tree.depth
-
-  @property
-  def encoder_decoder(self):
-    return getattr(self.step, "encoder_decoder", None)
-
-  def init(self, params, prompt_tokens, prompt_lengths, max_length, source=None, features=None):
-    del features
-    return self.step.init(params, prompt_tokens, prompt_lengths, max_length, source)
 
   def candidates(self, params, state, context: DraftContext, depth: int, width: int):
     position = context.position
