@@ -90,7 +90,7 @@ def speedup_from_costs(alpha_, gamma, draft_cost, verify_cost, accept_cost):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Token trees (trees.py). The i.i.d. chain model generalises by depth: alpha_d is the chance that the
+# Token trees (decoding/tree.py). The i.i.d. chain model generalises by depth: alpha_d is the chance that the
 # walk passes depth d given it reached it (for a tree, the target's mass on the node's candidate
 # tokens; SpecStats' betas estimate it without sampling luck).
 

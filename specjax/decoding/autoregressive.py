@@ -3,7 +3,7 @@
 It is the denominator of every speedup, so it gets the same care as the speculative loop: static
 shapes, no host round trips, the cache updated in place.
 
-Conventions shared with `speculative.py`:
+Conventions shared with the speculative loop (`core.py`):
   * Prompts are RIGHT-padded: prompt_tokens[B, P] with prompt_lengths[B]; row b's prompt sits at
     positions 0..len_b-1 and the padding after it is written to the cache during prefill but never
     read (the first generated token overwrites slot len_b; see kv_cache).
@@ -63,7 +63,7 @@ class DecodeShape:
 
 
 def validate_decode(max_new_tokens: int, top_k: int = 0) -> None:
-  """The static settings every decode shares (this one and speculative.SpecConfig)."""
+  """The static settings every decode shares (this one and core.DecodeConfig)."""
   if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens}")
   sampling.validate_sampling(0.0, top_k, 1.0)

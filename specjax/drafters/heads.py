@@ -12,12 +12,12 @@ from "the token after next looks like the next one" and can only improve on it.
 
 A subset head scores only `head_tokens` (U's rows at those ids; every other token is never proposed):
 SmolLM2's 49,152 x 576 projection per head would cost about a fifth of a target step on CPU, while the
-few thousand tokens with the most target probability carry nearly all of it (train_heads.py picks
+few thousand tokens with the most target probability carry nearly all of it (training/heads.py picks
 them; 4,096 by default cover 89 % of SmolLM2's held-out labels).
 
 Heads are tied to the weights of the target they were trained on (they read its hidden states), so a
 saved set carries the target's fingerprint (`target_fingerprint`) and `load_heads` refuses any other
-target. `HeadsDrafter` is the tree drafter of trees.py: its candidates at depth d are head d + 1's top
+target. `HeadsDrafter` is a drafter of ranked candidates per depth: at depth d, head d + 1's top
 `width` tokens, all from one call on the hidden state the target's verification already computed.
 """
 

@@ -14,7 +14,7 @@ drafting a tree of depth D starts from the target's hidden state at position - 1
 and feeds each depth's top-1 candidate back in (the same chain EAGLE drafts from features). With
 W_in, W_h and the biases at zero, h' = h: an untrained head repeats the target's next-token guess.
 
-Training (train_heads.py, HeadsSpec.kind = "mtp") unrolls the head over `num_heads` steps of each
+Training (training/heads.py, HeadsSpec.kind = "mtp") unrolls the head over `num_heads` steps of each
 teacher sequence with the true tokens as inputs and its OWN predicted hidden states carried forward
 (as at draft time), scoring each step's logits against the sequence's next token (cross-entropy)
 and its hidden state against the target's (`feature_weight` x mean squared error).

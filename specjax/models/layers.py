@@ -74,7 +74,7 @@ class CachedAttention(nn.Module):
 
   __call__(x[B, T, E], positions[B, T], keys, values, slots=None, visible=None) -> (y[B, T, E], keys,
   values), with keys / values this layer's [B, S, kv, d] buffers. A chain writes token t at slot
-  positions[:, t] and sees the slots up to its position. A token tree (trees.py) passes its own write
+  positions[:, t] and sees the slots up to its position. A token tree (decoding/tree.py) passes its own write
   `slots[B, T]` and `visible[B, T, S]`: a node sits at position prefix + depth (its RoPE angle) but in
   slot prefix + node index, and sees the prefix and its ancestors only.
 

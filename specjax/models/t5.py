@@ -266,7 +266,7 @@ class _DecoderLayer(_Module):
   def __call__(self, x, positions, keys, values, bias, cross_keys, cross_values, cross_mask,
                slots=None, visible=None):
     """x[B, T, E] at positions[B, T]; keys / values: this layer's cache buffers [B, S, H, D]. A chain
-    writes token t at slot positions[:, t] and sees the slots up to it; a token tree (trees.py) gives
+    writes token t at slot positions[:, t] and sees the slots up to it; a token tree (decoding/tree.py) gives
     its write slots[B, T] and visible[B, T, S]."""
     h = self.pre_self_attention_layer_norm(x)
     new_keys, new_values = self.self_attention.project_kv(h)

@@ -254,7 +254,7 @@ def _train(output_dir: pathlib.Path, loss_log: outputs.RowsFile, spec: dict, tar
   loaded = loading.load_model(target.checkpoint, target.vocabulary)
   target_config = loaded.config
   if not isinstance(target_config, decoder_only.DecoderConfig):
-    raise ValueError(f"train_draft distils decoder-only (Llama-family) targets; {target.checkpoint} "
+    raise ValueError(f"draft_model.train distils decoder-only (Llama-family) targets; {target.checkpoint} "
                      "is an encoder-decoder model")
   if init_from:
     draft_config, init_params = checkpoints.load(init_from)

@@ -7,7 +7,7 @@ Stages, each kept so that nothing computed is lost (output_dir is held by one ru
 refused to another spec, the target's weights included, as in specjax/outputs.py):
 
 1. Teacher data (specjax/training/teacher.py, cached under $SPECJAX_CACHE/teacher): the target's greedy and
-   sampled continuations of TRAIN-split prompts. A TeacherSpec equal to train_draft's reuses its cache.
+   sampled continuations of TRAIN-split prompts. A TeacherSpec equal to the draft's (training/draft_model.py) reuses its cache.
 2. Hidden states: the target's final-norm hidden state at every position of those sequences, float16,
    as the teacher's decoding recorded them (nothing to compute). Teacher data cached before they
    were recorded gets them from teacher-forced prefill passes, cached once under
