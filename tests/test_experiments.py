@@ -19,7 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # experiments/ is a top-level folder (run as `python -m experiments.tables` from the repository root);
 # pyproject's pytest `pythonpath` makes the root importable.
-from experiments import plots, speculative_sweep, sweep, tables
+from experiments import measure, plots, sweep, tables
 
 
 def thm38(alpha, gamma, c):
@@ -469,19 +469,19 @@ def test_paired_decode_seconds_uses_one_method_for_both_sides():
 
   spread = list(range(10, 30, 2))  # 10 prompts
   # Both fit: each side's per-token cost is its line's slope over its tokens per iteration.
-  (base, base_how), (spec, spec_how) = speculative_sweep.paired_decode_seconds(
+  (base, base_how), (spec, spec_how) = measure.paired_decode_seconds(
       side(spread, 0.3, 0.04, 1), side(spread, 0.6, 0.1, 2.5))
   assert base_how["method"] == spec_how["method"] == "fit over prompts"
   assert base == pytest.approx(0.04) and spec == pytest.approx(0.1 / 2.5)
   assert spec_how["fixed_ms_per_prompt"] == pytest.approx(600)
   # One side with 4 prompts: both subtract their prefill, though the other could be fitted.
   few = side(spread[:4], 0.6, 0.1, 2.5)
-  results = speculative_sweep.paired_decode_seconds(side(spread, 0.3, 0.04, 1), few)
+  results = measure.paired_decode_seconds(side(spread, 0.3, 0.04, 1), few)
   assert [how["method"] for _, how in results] == ["prefill subtracted"] * 2
   decoded = few[2] - 4
   assert results[1][0] == pytest.approx((sum(few[0]) - 4 * 0.5) / decoded)
   # A fit whose fixed cost comes out negative is refused for both.
-  results = speculative_sweep.paired_decode_seconds(side(spread, 0.3, 0.04, 1),
+  results = measure.paired_decode_seconds(side(spread, 0.3, 0.04, 1),
                                                     side(spread, -0.2, 0.1, 2.5))
   assert [how["method"] for _, how in results] == ["prefill subtracted"] * 2
   # A fit whose per-iteration cost is lost in noise (timing.loop_seconds) is refused for both: here
@@ -489,7 +489,7 @@ def test_paired_decode_seconds_uses_one_method_for_both_sides():
   seconds, outs, tokens, prefill = side(spread, 0.6, 0.1, 2.5)
   noisy = (np.asarray(seconds) + np.random.RandomState(0).normal(0, 0.5, len(seconds)), outs, tokens,
            prefill)
-  results = speculative_sweep.paired_decode_seconds(side(spread, 0.3, 0.04, 1), noisy)
+  results = measure.paired_decode_seconds(side(spread, 0.3, 0.04, 1), noisy)
   assert [how["method"] for _, how in results] == ["prefill subtracted"] * 2
 
 
@@ -499,9 +499,9 @@ def test_every_prompt_of_a_sweep_gets_its_own_key():
   import jax
   rng = jax.random.PRNGKey(0)
   keys = [tuple(np.asarray(k).tolist()) for task in ("humaneval", "news")
-          for k in speculative_sweep.prompt_keys(rng, task, 8)]
+          for k in measure.prompt_keys(rng, task, 8)]
   assert len(set(keys)) == 16
-  again = [tuple(np.asarray(k).tolist()) for k in speculative_sweep.prompt_keys(rng, "news", 8)]
+  again = [tuple(np.asarray(k).tolist()) for k in measure.prompt_keys(rng, "news", 8)]
   assert again == keys[8:]
 
 
@@ -509,35 +509,34 @@ def test_sampled_runs_of_both_sweeps_draw_from_each_prompt_s_key(monkeypatch):
   """The baseline, chain and tree runs of a prompt draw from that prompt's key: three copies of one
   prompt with keys (k0, k1, k0) sample the first and third alike and the second differently, on every
   side. A run that ignored the key would give three equal outputs. A tiny random decoder over 128
-  tokens sampled at T = 1 for 12 tokens: the outputs are fixed by the seeds (no false failures)."""
+  tokens sampled at T = 1 for 12 tokens: the outputs are fixed by the seeds (no false failures).
+  Both sweeps measure through experiments.measure.Bench: the chain sweep's points run the drafter's
+  sampled chain, the tree sweep's its top-k tree (sample=False)."""
   import jax
-  from experiments import tree_sweep
-  from specjax import drafters, loading, models, specs, trees
+  from specjax import loading, models, specs
+  from specjax.decoding.tree import Tree
   from specjax.models import decoder_only
   config = decoder_only.SIZES["tiny"]
   params = decoder_only.init_params(config, jax.random.PRNGKey(3))
   target = loading.LoadedModel("tiny", config, params, SimpleNamespace(eos_id=1, pad_id=0),
                                models.model_for(config))
-  k0, k1 = speculative_sweep.prompt_keys(jax.random.PRNGKey(0), "humaneval", 2)
+  k0, k1 = measure.prompt_keys(jax.random.PRNGKey(0), "humaneval", 2)
   tokens = np.array([[5, 9, 17, 33, 65, 9, 17, 0]], np.int32)
   lengths = np.array([7], np.int32)
-  prompts = [speculative_sweep.Prompt(tokens, lengths, None, key) for key in (k0, k1, k0)]
+  prompts = [measure.Prompt(tokens, lengths, None, key) for key in (k0, k1, k0)]
   decode = specs.DecodeSpec(max_new_tokens=12)
 
   def pattern(outs):
     out = [np.asarray(o.tokens).tolist() for o in outs]
     return out[0] == out[2], out[0] != out[1]
 
-  setup = speculative_sweep.Setup(
-      target, {"layers1": drafters.make_drafter("layers1", config, params)}, {"humaneval": prompts},
-      speculative_sweep.SweepSpec(tasks=("humaneval",), drafters=("layers1",), gammas=(2,),
-                                  prompts_per_task=3), decode)
-  programs = speculative_sweep.Programs(setup)
-  assert pattern(programs.baseline("humaneval", 1.0)[2]) == (True, True)
-  assert pattern(programs.speculative("humaneval", "layers1", 2, 1.0, 1.0)[2]) == (True, True)
-  monkeypatch.setattr(speculative_sweep, "heldout_prompts", lambda *args: prompts)
-  bench = tree_sweep.Bench(target, tree_sweep.TreeSweepSpec(drafters=("layers1",),
-                                                            trees=("spine:2x2",), prompts_per_task=3),
-                           decode, 0, "chat")
-  assert pattern(bench.tree_run("humaneval", "layers1", trees.Tree.from_name("spine:2x2"),
-                                1.0)[2]) == (True, True)
+  monkeypatch.setattr(measure, "heldout_prompts", lambda *args: prompts)
+  spine = Tree.from_name("spine:2x2")
+  bench = measure.Bench(target, ("humaneval",), 3, decode, 0, "chat", ("layers1",),
+                        largest_tree=spine.size)
+  assert len(bench.prompts["humaneval"]) == 3
+  assert pattern(bench.baseline("humaneval", 1.0)[2]) == (True, True)
+  assert pattern(bench.speculative("humaneval", ("layers1", Tree.chain(2), True), 1.0,
+                                   1.0)[2]) == (True, True)
+  assert pattern(bench.speculative("humaneval", ("layers1", spine, False), 1.0,
+                                   1.0)[2]) == (True, True)
