@@ -156,7 +156,8 @@ def test_smoke_tree_sweep_writes_rows_and_table_and_resumes(tmp_path):
     assert row["tree_size"] == 5 and row["decode_speedup"] > 0 and row["predicted_speedup"] > 0
     assert row["cost_verify"] > 0 and row["cost_draft"] > 0 and row["cost_accept"] > 0
   assert rows[0]["outputs_match_baseline"] is True  # greedy tree decode == greedy baseline
-  assert "| lookup | lookup | spine:2x2 (5) | 0 |" in (tmp_path / "trees.md").read_text()
+  # the kind column is registry.label(name): "prompt lookup" for `lookup`
+  assert "| prompt lookup | lookup | spine:2x2 (5) | 0 |" in (tmp_path / "trees.md").read_text()
   gin.clear_config()
   assert _tiny_tree_sweep(tmp_path) == rows  # a rerun resumes: nothing measured twice
   _as_if_measured_before_methods_were_recorded(tmp_path)
@@ -166,7 +167,7 @@ def test_smoke_tree_sweep_writes_rows_and_table_and_resumes(tmp_path):
 
 
 def test_tree_sweep_refuses_missing_heads_before_writing(tmp_path):
-  with pytest.raises(FileNotFoundError, match="train_heads"):
+  with pytest.raises(FileNotFoundError, match="configs/smollm2_heads.gin"):
     _tiny_tree_sweep(tmp_path, f"tree_sweep.TreeSweepSpec.drafters = ('heads:{tmp_path}/none',)")
   gin.clear_config()
   with pytest.raises(FileNotFoundError, match="smollm2_mtp.gin"):
@@ -185,11 +186,11 @@ def test_compilation_cache_serves_a_second_process(tmp_path):
   import sys  # pylint: disable=import-outside-toplevel
   script = """
 import jax, jax.numpy as jnp
-from specjax import run
+from specjax import launch
 hits = []
 jax.monitoring.register_event_listener(
     lambda event, **_: hits.append(event) if event.endswith("cache_hits") else None)
-print(run.enable_compilation_cache(__import__("sys").argv[1], min_compile_seconds=0.0))
+print(launch.enable_compilation_cache(__import__("sys").argv[1], min_compile_seconds=0.0))
 f = jax.jit(lambda x: jnp.cumsum(jnp.sin(x) @ x.T, axis=0).sum())
 print(float(f(jnp.arange(64.0).reshape(8, 8))), len(hits))
 """
