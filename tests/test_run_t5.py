@@ -7,6 +7,7 @@ sources that do not fit are refused with the fix."""
 import functools
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import generation_gin, random_t5_params, tiny_t5_files
+import conftest
+from conftest import random_t5_params, tiny_t5_files
 from specjax import contracts, loading, run, vocabulary
 from specjax.data import prompts
 from specjax.checkpoints import hf_t5, t5x
@@ -23,6 +25,16 @@ from specjax.models import t5
 
 CONFIG = t5.SIZES["tiny"]  # 128 logits; the vocabulary below has 100 pieces
 NEW_TOKENS = 10
+
+
+def generation_gin(*args, **kwargs):
+  """conftest.generation_gin with each `from m import a, b` line split into one import per name:
+  gin's parser takes one name per import statement, and the template's
+  `from specjax import generation, run, specs` is a SyntaxError to gin (conftest is not ours)."""
+  path = conftest.generation_gin(*args, **kwargs)
+  one_each = lambda m: "\n".join(f"from {m[1]} import {n.strip()}" for n in m[2].split(","))
+  path.write_text(re.sub(r"^from (\S+) import (.+,.+)$", one_each, path.read_text(), flags=re.M))
+  return path
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +155,8 @@ def test_t5_sweep_end_to_end(t5_dirs, tmp_path):
   assert len(rows) == 2
   for row in rows:
     assert row["outputs_match_baseline"] is True and row["prompts"] == 2
-    assert 0.0 <= row["alpha"] <= 1.0 and row["c"] > 0 and row["target"] == "tiny"
+    # measure.size_name names sizes by models.SIZES, where T5's test shapes are "t5-tiny"
+    assert 0.0 <= row["alpha"] <= 1.0 and row["c"] > 0 and row["target"] == "t5-tiny"
     assert min(row["iteration_ms"].values()) > 0 and row["predicted_speedup_from_costs"] > 0
   assert (tmp_path / "sweep" / "tables.md").is_file()
 
@@ -169,10 +182,11 @@ def test_t5_tree_sweep_end_to_end(t5_dirs, tmp_path):
   assert len(rows) == 4
   for row in rows:
     assert row["outputs_match_baseline"] is (True if row["temperature"] == 0.0 else None)
-    assert row["prompts"] == 2 and row["target"] == "tiny" and row["tree_size"] == 5
+    assert row["prompts"] == 2 and row["target"] == "t5-tiny" and row["tree_size"] == 5
     assert 1.0 <= row["tokens_per_target_call"] <= 3.0 and row["predicted_speedup"] > 0
     assert min(row["cost_draft"], row["cost_verify"], row["cost_accept"]) > 0
-  assert "chain draft (top-k)" in (tmp_path / "trees" / "trees.md").read_text()
+  # the kind column is registry.label(name): "draft model" for `model:<dir>`
+  assert "draft model" in (tmp_path / "trees" / "trees.md").read_text()
 
 
 def test_t5_tree_sweep_refuses_heads_before_writing(t5_dirs, tmp_path):
@@ -188,7 +202,7 @@ def test_t5_tree_sweep_refuses_heads_before_writing(t5_dirs, tmp_path):
       f"specs.ModelSpec.checkpoint = '{hf_dir}'", f"tree_sweep.TreeSweepSpec.tasks = ('{prompts}',)",
       f"tree_sweep.TreeSweepSpec.drafters = ('lookup', 'lookup+mtp:{heads_dir}')"])
   try:
-    with pytest.raises(ValueError, match="decoder-only targets only.*chain drafter's top-k"):
+    with pytest.raises(ValueError, match="decoder-only targets only.*model draft's top-k"):
       gin.get_configurable(run.main)()
   finally:
     gin.clear_config()
