@@ -8,18 +8,31 @@ SentencePiece model trained here) over a 5-prompt JSONL file: a few seconds each
 
 import fcntl
 import json
+import re
 import shutil
 
 import gin
 import pytest
 
-from conftest import generation_gin, random_decoder_params, random_t5_params, tiny_t5_files
+import conftest
+from conftest import random_decoder_params, random_t5_params, tiny_t5_files
 from experiments import speculative_sweep
-from specjax import checkpoints, drafters, loading, outputs, run, specs
+from specjax import checkpoints, loading, outputs, run, specs
 from specjax.checkpoints import hf, hf_t5
+from specjax.drafters import registry
 from specjax.models import decoder_only, t5
 
 CONFIG = t5.SIZES["tiny"]
+
+
+def generation_gin(*args, **kwargs):
+  """conftest.generation_gin with each `from m import a, b` line split into one import per name:
+  gin's parser takes one name per import statement, and the template's
+  `from specjax import generation, run, specs` is a SyntaxError to gin (conftest is not ours)."""
+  path = conftest.generation_gin(*args, **kwargs)
+  one_each = lambda m: "\n".join(f"from {m[1]} import {n.strip()}" for n in m[2].split(","))
+  path.write_text(re.sub(r"^from (\S+) import (.+,.+)$", one_each, path.read_text(), flags=re.M))
+  return path
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +82,16 @@ def test_a_changed_draft_is_refused_by_name(t5_files, model_dir, tmp_path):
   changed (the sweep itself is exercised end to end in test_run*.py)."""
   target = specs.ModelSpec(checkpoint=str(t5_files[0]))
   drafter_names = ("lookup", f"lookup+model:{model_dir}")
-  spec = {"sweep": "grid", "content_keys": loading.content_keys(target, drafters.checkpoints_of(drafter_names))}
+  spec = {"sweep": "grid", "content_keys": loading.content_keys(
+      target, registry.checkpoints_of(drafter_names))}
   assert set(spec["content_keys"]) == {"target", f"lookup+model:{model_dir}"}
   out = tmp_path / "sweep"
   with outputs.RunDirectory(out, spec, "results.jsonl", "sweep_fingerprint") as run_dir, \
        outputs.RowsFile(run_dir.results, run_dir.fingerprint, "sweep_fingerprint") as rows:
     rows.append({"point_id": "a", "alpha": 0.5})
   hf_t5.save(model_dir, CONFIG, random_t5_params(CONFIG, seed=5))
-  spec = {"sweep": "grid", "content_keys": loading.content_keys(target, drafters.checkpoints_of(drafter_names))}
+  spec = {"sweep": "grid", "content_keys": loading.content_keys(
+      target, registry.checkpoints_of(drafter_names))}
   with pytest.raises(ValueError, match=f"the weights of 'lookup\\+model:{model_dir}' changed"):
     with outputs.RunDirectory(out, spec, "results.jsonl", "sweep_fingerprint"):
       pass
@@ -133,7 +148,7 @@ def test_a_typo_leaves_nothing_that_blocks_the_corrected_run(t5_files, model_dir
 def test_sweep_grid_typos_are_refused_before_anything_is_loaded():
   for fields, match in [({"tasks": ("humaneval_x",)}, "unknown prompt set 'humaneval_x'"),
                         ({"drafters": ("lokup",)}, "unknown drafter 'lokup'"),
-                        ({"drafters": ("model:/no/such/draft",)}, "no draft checkpoint at"),
+                        ({"drafters": ("model:/no/such/draft",)}, "no draft model checkpoint at"),
                         ({"temperatures": (0.0, -1.0)}, "temperature must be >= 0"),
                         ({"repeats": 0}, r"SweepSpec.repeats = 0: .* >= 1"),
                         ({"prompts_per_task": 0}, r"SweepSpec.prompts_per_task = 0: .* >= 1")]:
