@@ -10,8 +10,10 @@ from scipy import stats
 
 from conftest import (BigramDrafter, bigram_from_step, bigram_model, bigram_table,
                       random_decoder_params)
-from specjax import drafters, speculative
-from specjax.decoding import sampling
+from specjax import contracts
+from specjax.decoding import core, sampling
+from specjax.drafters import expansion, lookup, tables
+from specjax.drafters.model import ModelDrafter
 from specjax.models import decoder_only
 
 
@@ -22,14 +24,14 @@ def _transform(temperature=1.0, top_k=0, top_p=1.0):
 
 def test_table_builders_count_text():
   text = [np.array([0, 0, 1]), np.array([2, 0])]
-  unigram = drafters.unigram_table(text, 3, smoothing=1.0)
+  unigram = tables.unigram_table(text, 3, smoothing=1.0)
   np.testing.assert_allclose(np.exp(unigram), np.array([4, 2, 2]) / 8, rtol=1e-6)
   bigram = bigram_table(text, 3, smoothing=0.5)
   # Pairs: (0,0), (0,1), (2,0); row 0 counts [1.5, 1.5, 0.5], row 1 uniform, row 2 [1.5, .5, .5].
   np.testing.assert_allclose(np.exp(bigram), [[1.5 / 3.5, 1.5 / 3.5, 0.5 / 3.5], [1 / 3] * 3,
                                               [1.5 / 2.5, 0.5 / 2.5, 0.5 / 2.5]], rtol=1e-6)
   with pytest.raises(ValueError, match="smoothing"):
-    drafters.unigram_table(text, 3, smoothing=0.0)
+    tables.unigram_table(text, 3, smoothing=0.0)
 
 
 def test_bigram_from_step_is_the_models_own_bigram():
@@ -45,7 +47,7 @@ def test_table_drafters_apply_the_target_transform(transform):
   unigram, bigram = rng.randn(5).astype(np.float32), rng.randn(5, 5).astype(np.float32)
   tokens, positions = jnp.array([[1, 3], [0, 2]]), jnp.array([[4, 5], [1, 2]])
   fn = _transform(**transform)
-  probs, state = drafters.UnigramDrafter().propose(unigram, None, tokens, positions, fn)
+  probs, state = tables.UnigramDrafter().propose(unigram, None, tokens, positions, fn)
   np.testing.assert_allclose(probs, np.broadcast_to(fn(unigram), (2, 5)), atol=1e-7)
   probs, state = BigramDrafter().propose(bigram, None, tokens, positions, fn)
   np.testing.assert_allclose(probs, fn(bigram[np.array([3, 2])]), atol=1e-7)
@@ -53,18 +55,21 @@ def test_table_drafters_apply_the_target_transform(transform):
 
 
 def test_drafts_are_drawn_from_the_returned_probs():
-  """20k rows through speculative.draft with a bigram drafter under top-k: position 1's tokens vs
-  draft_probs_1, and position 2's given position 1 (chi-square p < 1e-6 fails; three tests, false
-  failure rate < 3e-6 over seeds)."""
+  """20k rows through a sampled chain of 3 (expansion.SampledChain.draft) with a bigram drafter
+  under top-k: position 1's tokens vs draft_probs_1, and position 2's given position 1 (chi-square
+  p < 1e-6 fails; three tests, false failure rate < 3e-6 over seeds)."""
   rows, vocab = 20_000, 5
   table = jnp.asarray(np.random.RandomState(2).randn(vocab, vocab).astype(np.float32))
   fn = _transform(temperature=0.8, top_k=4)
-  prev, last = jnp.zeros((rows,), jnp.int32), jnp.full((rows,), 3, jnp.int32)
+  # The root (token 3) at position 1, after token 0 at position 0.
+  history = jnp.tile(jnp.array([[0, 3]], jnp.int32), (rows, 1))
+  position = jnp.ones((rows,), jnp.int32)
   uniforms = jax.random.uniform(jax.random.PRNGKey(0), (rows, 3))
-  tokens, probs, _ = jax.jit(functools.partial(speculative.draft, BigramDrafter()),
-                             static_argnums=6)(table, None, prev, last, jnp.ones((rows,), jnp.int32),
-                                               uniforms, fn)
-  tokens, probs = np.asarray(tokens), np.asarray(probs, np.float64)
+  chain = expansion.SampledChain(BigramDrafter(), gamma=3)
+  proposal, _ = jax.jit(lambda table, history, position, uniforms: chain.draft(
+      table, None, contracts.DraftContext(history, position), uniforms, fn))(
+          table, history, position, uniforms)
+  tokens, probs = np.asarray(proposal.tokens), np.asarray(proposal.draft_probs, np.float64)
   np.testing.assert_allclose(probs[:, 1], np.asarray(fn(table))[tokens[:, 0]], atol=1e-7)
   first = probs[0, 0]
   counts = np.bincount(tokens[:, 0], minlength=vocab)
@@ -86,19 +91,19 @@ def test_lookup_finds_latest_longest_match():
       [7, 3, 4, 9, 3, 5, 7, 3],     # [5, 7, 3] unseen; [7, 3] at 0..1 -> 4 beats the later [3] -> 5
   ], jnp.int32)
   pos = jnp.array([5, 7, 4, 7])
-  proposal, found = drafters.lookup(history, pos, max_ngram=3)
+  proposal, found = lookup.lookup(history, pos, max_ngram=3)
   assert np.asarray(found).tolist() == [True, True, False, True]
   assert np.asarray(proposal)[[0, 1, 3]].tolist() == [7, 4, 4]
   # Tokens after pos are stale (rolled back) and never matched.
   stale = history.at[2, 5:].set(jnp.array([1, 5, 9]))
-  assert not bool(drafters.lookup(stale, pos, max_ngram=2)[1][2])
+  assert not bool(lookup.lookup(stale, pos, max_ngram=2)[1][2])
   # A longer n-gram overrides the latest shorter one: [2, 3] -> 8 beats [3] -> 5.
-  proposal, _ = drafters.lookup(jnp.array([[2, 3, 8, 0, 3, 5, 2, 3]]), jnp.array([7]), 2)
+  proposal, _ = lookup.lookup(jnp.array([[2, 3, 8, 0, 3, 5, 2, 3]]), jnp.array([7]), 2)
   assert int(proposal[0]) == 8
 
 
 def test_prompt_lookup_drafter_one_hot_and_fallback():
-  drafter = drafters.PromptLookupDrafter(vocab_size=10, max_ngram=2)
+  drafter = lookup.PromptLookupDrafter(vocab_size=10, max_ngram=2)
   prompt = jnp.array([[4, 5, 6, 7, 4, 0], [1, 2, 3, 0, 0, 0]], jnp.int32)
   state = drafter.init(None, prompt, jnp.array([5, 3]), max_length=12)
   fn = _transform(0.7)
@@ -114,7 +119,7 @@ def test_prompt_lookup_drafter_one_hot_and_fallback():
   assert np.asarray(state.lengths).tolist() == [6, 4]
   assert np.asarray(drafter.rollback(state, jnp.array([2, 2])).lengths).tolist() == [2, 2]
   with pytest.raises(ValueError, match="ngram"):
-    drafters.PromptLookupDrafter(10, max_ngram=1, min_ngram=2)
+    lookup.PromptLookupDrafter(10, max_ngram=1, min_ngram=2)
 
 
 def test_prompt_lookup_in_the_loop_accepts_a_repeated_pattern():
@@ -122,8 +127,9 @@ def test_prompt_lookup_in_the_loop_accepts_a_repeated_pattern():
   # every lookup proposal is right and every drafted token is accepted.
   vocab, gamma = 6, 3
   cycle = np.where(np.eye(vocab)[np.roll(np.arange(vocab), -1)] > 0, 0.0, -30.0).astype(np.float32)
-  fn = speculative.make_speculative_decode(bigram_model(), drafters.PromptLookupDrafter(vocab),
-                                           speculative.SpecConfig(gamma=gamma, max_new_tokens=13))
+  fn = core.make_decode(bigram_model(),
+                        expansion.SampledChain(lookup.PromptLookupDrafter(vocab), gamma),
+                        core.DecodeConfig(max_new_tokens=13))
   out = fn(jnp.asarray(cycle), None, jnp.array([[0, 1, 2, 3, 4, 5, 0]]), jnp.array([7]),
            jax.random.PRNGKey(0), 1.0)
   assert np.asarray(out.tokens[0]).tolist() == [(1 + i) % vocab for i in range(13)]
@@ -139,7 +145,7 @@ def test_model_drafter_rollback_matches_a_fresh_forward():
   params = random_decoder_params(config, seed=3)
   step = decoder_only.make_step(config)
   init_cache = functools.partial(decoder_only.init_cache, config)
-  drafter = drafters.ModelDrafter(decoder_only.model(config))
+  drafter = ModelDrafter(decoder_only.model(config))
   fn = _transform(1.0)
   prompt = jnp.array([[3, 1, 4, 1, 5], [9, 2, 6, 0, 0]], jnp.int32)
   lengths = jnp.array([5, 3])
