@@ -11,8 +11,9 @@ import pytest
 from scipy import stats
 
 from conftest import BigramDrafter, bigram_table, random_decoder_params
-from specjax import drafters, speculative
-from specjax.decoding import autoregressive, sampling
+from specjax.decoding import autoregressive, core, sampling
+from specjax.drafters import expansion, tables
+from specjax.drafters.model import ModelDrafter
 from specjax.contracts import StepModel
 from specjax.models import decoder_only
 
@@ -36,7 +37,7 @@ def _random_text(vocab, seed, sequences=6, length=40):
 def test_sparse_bigram_counts_by_hand():
   # Pairs: (0,1) x2, (0,2) x1, (0,3) x1, (1,0) x1, (2,0) x1; token 3 is never followed.
   text = [np.array([0, 1, 0, 2, 0]), np.array([0, 1]), np.array([0, 3])]
-  table = drafters.sparse_bigram(text, 4, top_k=2, concentration=2.0, smoothing=1.0)
+  table = tables.sparse_bigram(text, 4, top_k=2, concentration=2.0, smoothing=1.0)
   # Row 0 keeps 1 (count 2) and, of the tied 2 and 3, the lower id 2; 3's count goes to the tail.
   assert np.asarray(table.next_ids[0]).tolist() == [1, 2]
   assert np.asarray(table.next_counts[0]).tolist() == [2.0, 1.0]
@@ -44,7 +45,7 @@ def test_sparse_bigram_counts_by_hand():
   assert np.asarray(table.next_counts[3]).tolist() == [0.0, 0.0]
   unigram = np.array([6, 3, 2, 2]) / 13.0  # counts 5, 2, 1, 1 plus smoothing 1
   np.testing.assert_allclose(np.exp(table.backoff), unigram, rtol=1e-6)
-  probs = np.asarray(drafters.sparse_bigram_probs(table, jnp.array([0, 1, 3])))
+  probs = np.asarray(tables.sparse_bigram_probs(table, jnp.array([0, 1, 3])))
   # Row 0: n = 4 (tail included), s = 2; the tail count 1 goes to token 3, the only one not kept
   # besides 0, spread like the unigram over {0, 3}.
   tail = np.array([1, 0, 0, 1]) * unigram / (unigram[0] + unigram[3])
@@ -56,11 +57,11 @@ def test_sparse_bigram_counts_by_hand():
 
 def test_truncation_keeps_the_top_probabilities_of_the_full_estimate():
   vocab, text = 9, _random_text(9, seed=1)
-  full = drafters.sparse_bigram(text, vocab, top_k=vocab, concentration=1.5)
-  cut = drafters.sparse_bigram(text, vocab, top_k=3, concentration=1.5)
+  full = tables.sparse_bigram(text, vocab, top_k=vocab, concentration=1.5)
+  cut = tables.sparse_bigram(text, vocab, top_k=3, concentration=1.5)
   previous = jnp.arange(vocab)
-  full_probs = np.asarray(drafters.sparse_bigram_probs(full, previous))
-  cut_probs = np.asarray(drafters.sparse_bigram_probs(cut, previous))
+  full_probs = np.asarray(tables.sparse_bigram_probs(full, previous))
+  cut_probs = np.asarray(tables.sparse_bigram_probs(cut, previous))
   for a in range(vocab):
     kept = np.asarray(cut.next_ids[a])[np.asarray(cut.next_counts[a]) > 0]
     np.testing.assert_allclose(cut_probs[a, kept], full_probs[a, kept], rtol=1e-5)
@@ -75,27 +76,27 @@ def test_sparse_with_k_equal_v_is_the_dense_bigram(transform):
   vocab, smoothing = 11, 0.5
   text = _random_text(vocab, seed=2)
   dense = bigram_table(text, vocab, smoothing)
-  sparse = drafters.sparse_bigram(text, vocab, top_k=vocab, concentration=vocab * smoothing)
+  sparse = tables.sparse_bigram(text, vocab, top_k=vocab, concentration=vocab * smoothing)
   sparse = sparse.replace(backoff=np.full(vocab, -np.log(vocab), np.float32))
-  np.testing.assert_allclose(drafters.sparse_bigram_probs(sparse, jnp.arange(vocab)), np.exp(dense),
+  np.testing.assert_allclose(tables.sparse_bigram_probs(sparse, jnp.arange(vocab)), np.exp(dense),
                              rtol=1e-5)
   tokens, positions = jnp.array([[1, 3], [0, 7], [5, 5]]), jnp.array([[4, 5], [1, 2], [0, 1]])
   fn = _transform(**transform)
-  got, state = drafters.SparseBigramDrafter().propose(sparse, None, tokens, positions, fn)
+  got, state = tables.SparseBigramDrafter().propose(sparse, None, tokens, positions, fn)
   want, _ = BigramDrafter().propose(jnp.asarray(dense), None, tokens, positions, fn)
   np.testing.assert_allclose(got, want, atol=1e-6)
-  assert state is None and drafters.SparseBigramDrafter().rollback(None, jnp.zeros(3)) is None
+  assert state is None and tables.SparseBigramDrafter().rollback(None, jnp.zeros(3)) is None
 
 
 def test_sparse_bigram_bad_input():
   text = [np.array([0, 1, 2])]
   with pytest.raises(ValueError, match="top_k"):
-    drafters.sparse_bigram(text, 3, top_k=0)
-  assert drafters.sparse_bigram(text, 3, top_k=4).next_ids.shape == (3, 3)  # at most V kept
+    tables.sparse_bigram(text, 3, top_k=0)
+  assert tables.sparse_bigram(text, 3, top_k=4).next_ids.shape == (3, 3)  # at most V kept
   with pytest.raises(ValueError, match="concentration"):
-    drafters.sparse_bigram(text, 3, concentration=0.0)
+    tables.sparse_bigram(text, 3, concentration=0.0)
   with pytest.raises(ValueError, match="token ids"):
-    drafters.sparse_bigram([np.array([0, 3])], 3)
+    tables.sparse_bigram([np.array([0, 3])], 3)
 
 
 def test_sparse_bigram_is_lossless_in_the_loop():
@@ -104,7 +105,7 @@ def test_sparse_bigram_is_lossless_in_the_loop():
   positions: false-failure rate < 4e-6 over seeds)."""
   rows, vocab = 4000, 6
   target = (2.0 * np.random.RandomState(3).randn(vocab, vocab)).astype(np.float32)
-  draft = drafters.sparse_bigram(_random_text(vocab, seed=4, sequences=20), vocab, top_k=2)
+  draft = tables.sparse_bigram(_random_text(vocab, seed=4, sequences=20), vocab, top_k=2)
 
   @flax.struct.dataclass
   class LengthsCache:
@@ -113,8 +114,9 @@ def test_sparse_bigram_is_lossless_in_the_loop():
   step = lambda table, tokens, positions, cache: (table[tokens],
                                                   cache.replace(lengths=positions[:, -1] + 1))
   init = lambda batch, length: LengthsCache(jnp.zeros((batch,), jnp.int32))
-  out = speculative.make_speculative_decode(StepModel(step, init), drafters.SparseBigramDrafter(),
-                                            speculative.SpecConfig(gamma=3, max_new_tokens=4))(
+  out = core.make_decode(StepModel(step, init),
+                         expansion.SampledChain(tables.SparseBigramDrafter(), 3),
+                         core.DecodeConfig(max_new_tokens=4))(
       jnp.asarray(target), draft, jnp.full((rows, 1), 2, jnp.int32), jnp.ones((rows,), jnp.int32),
       jax.random.PRNGKey(0), 1.0)
   chain = np.asarray(jax.nn.softmax(target), np.float64)
@@ -180,12 +182,13 @@ def test_greedy_with_large_vocab_drafters_equals_target_greedy(kind):
   if kind == "sparse bigram":
     # Counted on the target's own greedy text, so some drafts are accepted and some are not.
     text = [np.asarray(row) for row in expected.tokens] + _random_text(96, seed=7)
-    drafter, draft_params = drafters.SparseBigramDrafter(), drafters.sparse_bigram(text, 96, top_k=4)
+    drafter, draft_params = tables.SparseBigramDrafter(), tables.sparse_bigram(text, 96, top_k=4)
   else:
     draft_config, draft_params = decoder_only.truncate_layers(CONFIG, params, 1)
-    drafter = drafters.ModelDrafter(decoder_only.model(draft_config))
-  out = speculative.make_speculative_decode(
-      StepModel(step, init_cache), drafter, speculative.SpecConfig(gamma=3, max_new_tokens=16))(
+    drafter = ModelDrafter(decoder_only.model(draft_config))
+  out = core.make_decode(
+      StepModel(step, init_cache), expansion.SampledChain(drafter, 3),
+      core.DecodeConfig(max_new_tokens=16))(
           params, draft_params, prompt_tokens, prompt_lengths, jax.random.PRNGKey(1), 0.0)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   n = np.asarray(out.stats.num_accepted)
