@@ -64,8 +64,9 @@ import numpy as np
 
 import common
 from common import fresh_state
-from specjax import contracts, drafters, loading, theory
+from specjax import contracts, loading, theory
 from specjax.decoding import sampling
+from specjax.drafters.model import ModelDrafter
 from specjax.timing import draft_step, median_seconds, one_token, step_seconds
 from specjax.timing import target_step as timed_target_step
 from specjax.models import decoder_only
@@ -187,7 +188,7 @@ def main():
   prompt_len = prompt[0].shape[1]
   max_length = prompt_len + NEW_TOKENS + MAX_V_GAMMA + 1
   target_step = decoder_only.make_step(config)
-  target = drafters.ModelDrafter(loaded.model)
+  target = ModelDrafter(loaded.model)
   bandwidth = common.memory_bandwidth_gbps()
   print(f"prompt {keys[0]} padded to {prompt_len}, cache {max_length} slots, read bandwidth "
         f"{bandwidth:.1f} GB/s; setup {time.perf_counter() - started:.0f}s", flush=True)
@@ -207,7 +208,7 @@ def main():
     return nbytes(draft_params) - unread + cache_bytes(cfg)
 
   def measure(name, cfg, draft_params, vocab_k=None, extra_ms=0.0, kind="own"):
-    drafter = drafters.ModelDrafter(decoder_only.model(cfg))
+    drafter = ModelDrafter(decoder_only.model(cfg))
     # A top-K emulation's table has K rows: keep its input ids in range (gather cost is the same).
     tokens, lengths = prompt
     small_prompt = (tokens % cfg.vocab_size, lengths)
@@ -268,7 +269,7 @@ def measure_bf16(config, params, target_step, prompt, max_length, target_ms, arg
     try:
       init = functools.partial(decoder_only.init_cache, config, dtype=cache_dtype)
       model = contracts.StepModel(target_step, init)
-      prefilled = fresh_state(drafters.ModelDrafter(model), weights, prompt, max_length)
+      prefilled = fresh_state(ModelDrafter(model), weights, prompt, max_length)
       scoring = timed_target_step(model)
       for w in (1, 2):
         # One round: at 5-10x float32's step time these are not near the noise.

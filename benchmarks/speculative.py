@@ -5,11 +5,12 @@ vs Leviathan's Thm 3.8.
         [--temperatures 0,1] [--prompts 8] [--repeats 3] [--new_tokens 64] [--task humaneval]
         [--checkpoint embedded:smollm2] [--style chat] [--no_overhead] [--out speculative]
 
-The speculative sweep's measurement (experiments/speculative_sweep.measure_point) without a run
-directory: for every drafter x gamma x temperature, on the task's first `--prompts` held-out prompts
-(batch 1, EOS on, each prompt its own random key), the baseline pass, the speculative pass and one
-iteration's parts (draft, verify, accept) are timed in turn `--repeats` times, and both sides' decode
-ms per token found by one method (speculative_sweep.paired_decode_seconds). Columns:
+The speculative sweep's measurement (experiments/speculative_sweep.measure_point on an
+experiments/measure.Bench) without a run directory: for every drafter x gamma x temperature, on the
+task's first `--prompts` held-out prompts (batch 1, EOS on, each prompt its own random key), the
+baseline pass, the speculative pass and one iteration's parts (draft, verify, accept: the loop's own
+methods, timing.iteration_timer) are timed in turn `--repeats` times, and both sides' decode ms per
+token found by one method (measure.paired_decode_seconds). Columns:
 
   alpha         mean beta = sum_x min(target, draft) over reached draft positions; `accept` is the
                 empirical acceptance rate;
@@ -20,8 +21,9 @@ ms per token found by one method (speculative_sweep.paired_decode_seconds). Colu
                 `from parts` is theory.speedup_from_costs from the iteration's timed parts.
 Then the overhead bound (unless --no_overhead): the target as its own draft (`layers{L}`, all its
 layers) at gamma 1, greedy: every draft is accepted, so its decode time per token over the baseline's
-is what the loop costs beyond the target's steps. Drafters: any drafters.make_drafter name (`bigram`,
-`lookup`, `layers{k}`, `model:<dir>`, `lookup+model:<dir>`). Writes benchmarks/results/{--out}.{json,md};
+is what the loop costs beyond the target's steps. Drafters: any one-token drafter the registry
+(specjax.drafters.registry) builds, run as its sampled chain of gamma (`bigram`, `lookup`,
+`layers{k}`, `model:<dir>`, `lookup+model:<dir>`). Writes benchmarks/results/{--out}.{json,md};
 runs unchanged on GPU / TPU. On 2 CPU cores a point costs its passes (about 2 s per prompt each for
 64 tokens from SmolLM2) and about 15 s of timed parts: the defaults (31 points, 8 prompts, 3 passes)
 take over an hour; `--prompts 2 --repeats 1 --drafters lookup --gammas 2 --new_tokens 16` about 5
@@ -40,14 +42,14 @@ import jax
 from tqdm import tqdm
 
 import common
-from experiments import speculative_sweep
+from experiments import measure, speculative_sweep
 from specjax import loading, specs
 
 
 def parse_args():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--drafters", default="bigram,lookup,layers2",
-                      help="comma list of drafter names (drafters.make_drafter)")
+                      help="comma list of drafter names (specjax.drafters.registry)")
   parser.add_argument("--gammas", default="1,2,3,4,5")
   parser.add_argument("--temperatures", default="0,1")
   parser.add_argument("--prompts", type=int, default=8)
@@ -82,19 +84,20 @@ def main():
     points.append({"task": args.task, "drafter": itself, "gamma": 1, "temperature": 0.0,
                    "lenience": 1.0, "overhead_bound": True})
   decode = specs.DecodeSpec(max_new_tokens=args.new_tokens)
-  setup = speculative_sweep.Setup.build(target, grid, decode, args.seed, args.style)
-  costs, programs = speculative_sweep.StepCosts(setup), speculative_sweep.Programs(setup)
+  bench = measure.Bench(target, grid.tasks, grid.prompts_per_task, decode, args.seed, args.style,
+                        grid.drafters, largest_tree=max(grid.all_gammas()) + 1)
+  costs = speculative_sweep.StepCosts(bench, grid)
   print(f"{len(points)} points; setup {time.perf_counter() - started:.0f}s", flush=True)
   rows = []
   for point in tqdm(points, desc="speculative", unit="point"):
-    rows.append({**point, **speculative_sweep.measure_point(setup, costs, programs, point)})
+    rows.append({**point, **speculative_sweep.measure_point(bench, costs, grid.repeats, point)})
     r = rows[-1]
     tqdm.write(f"{r['drafter']} T={r['temperature']:g} gamma={r['gamma']}: alpha {r['alpha']:.3f}, "
                f"speedup {r['decode_speedup']:.2f}x, Thm 3.8 {r['predicted_speedup']:.2f}x (with v "
                f"{r['predicted_speedup_with_verify_cost']:.2f}x, from parts "
                f"{r['predicted_speedup_from_costs']:.2f}x)")
   total_s = time.perf_counter() - started
-  markdown = table(args, target, rows, costs, len(setup.prompts[args.task]), total_s)
+  markdown = table(args, target, rows, costs, len(bench.prompts[args.task]), total_s)
   print(markdown)
   meta = {"args": vars(args), "step_ms": costs.step_ms, "verify_cost": costs.verify_cost,
           "jax": jax.__version__, "host": platform.node(), "cpus": os.cpu_count(),
@@ -104,7 +107,7 @@ def main():
 
 def table(args, target, rows, costs, prompts: int, total_s: float) -> str:
   lines = [
-      f"{speculative_sweep.size_name(target.config)} target ({args.checkpoint}), batch 1, {prompts} "
+      f"{measure.size_name(target.config)} target ({args.checkpoint}), batch 1, {prompts} "
       f"held-out {args.task} prompts, {args.new_tokens} new tokens, EOS on; {platform.machine()} "
       f"with {os.cpu_count()} cores, jax {jax.__version__}; {args.repeats} timed pass(es) per point, "
       f"in turn with the baseline's and the parts'. Total run {total_s / 60:.1f} min.", "",

@@ -5,22 +5,24 @@ goes, measured vs predicted speedup.
         [--trees "chain:3;spine:3x3;full:3,2,1"] [--temperatures 0,1] [--prompts 8] [--repeats 3]
         [--new_tokens 64] [--task humaneval] [--checkpoint embedded:smollm2] [--out trees]
 
-The tree sweep's measurement (experiments/tree_sweep.measure_point) without a run directory: for
-every drafter x tree x temperature, on the task's first `--prompts` held-out prompts (batch 1, EOS on,
-each prompt its own random key), the baseline pass, the tree pass and one iteration's parts (draft,
-verify(T), accept) are timed in turn `--repeats` times, and both sides' decode ms per token found by
-one method (speculative_sweep.paired_decode_seconds). Columns, as in trees.md of the sweep:
+The tree sweep's measurement (experiments/tree_sweep.measure_point on an experiments/measure.Bench)
+without a run directory: for every drafter x tree x temperature, on the task's first `--prompts`
+held-out prompts (batch 1, EOS on, each prompt its own random key), the baseline pass, the tree pass
+and one iteration's parts (draft, verify(T), accept: the loop's own methods, timing.iteration_timer)
+are timed in turn `--repeats` times, and both sides' decode ms per token found by one method
+(measure.paired_decode_seconds). Columns, as in trees.md of the sweep:
 
   tokens / call   committed tokens per tree verification (after the first token);
   alpha by depth  conditional pass rate at depth d (passed d / reached d);
   draft, verify(T), accept
                   one iteration's parts in autoregressive steps (the baseline's decode ms per token
-                  at that temperature): the drafter's candidates, the target scoring the T nodes, the
-                  transform at every node with the walk and the cache compaction;
+                  at that temperature): the drafter's candidates, the target scoring the T nodes,
+                  the walk (transform at every node) with the commit and the cache compaction;
   speedup         baseline decode ms/token over the tree loop's; predicted = theory.tree_speedup.
-Drafters: any tree drafter name (tree_drafters.make_tree_drafter): `lookup`, `bigram`, `model:<dir>`
-(a chain drafter as a tree of its top-k), `heads:<dir>`, `mtp:<dir>`, `lookup+heads:<dir>`,
-`lookup+mtp:<dir>`. Writes benchmarks/results/{--out}.{json,md}; runs unchanged on GPU / TPU.
+Drafters: any registered drafter name (specjax.drafters.registry): `lookup`, `bigram`, `model:<dir>`
+(a one-token drafter as a tree of its top-k), `heads:<dir>`, `mtp:<dir>`, `lookup+heads:<dir>`,
+`lookup+mtp:<dir>`; the kind column is registry.label. Writes benchmarks/results/{--out}.{json,md};
+runs unchanged on GPU / TPU.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ import jax
 from tqdm import tqdm
 
 import common
-from experiments import tree_sweep
-from specjax import loading, specs, trees
+from experiments import measure, tree_sweep
+from specjax import loading, specs
+from specjax.decoding.tree import Tree
+from specjax.drafters import registry
 
 
 def parse_args():
@@ -65,7 +69,7 @@ def parse_trees(text: str) -> list[str]:
     else:
       current = f"{current},{part}" if current else part
   names.append(current)
-  return [trees.Tree.from_name(name).name for name in names]
+  return [Tree.from_name(name).name for name in names]
 
 
 def main():
@@ -78,20 +82,23 @@ def main():
       prompts_per_task=args.prompts, repeats=args.repeats)
   points = grid.points()  # validates every name before the target is loaded
   target, _ = loading.load_target(specs.ModelSpec(args.checkpoint), (1, 1))
-  bench = tree_sweep.Bench(target, grid, specs.DecodeSpec(max_new_tokens=args.new_tokens), args.seed,
-                           args.style)
+  for name in grid.drafters:  # as the sweep: heads / MTP are refused for a T5 target, with the fix
+    registry.check(name, target.config)
+  bench = measure.Bench(target, grid.tasks, grid.prompts_per_task,
+                        specs.DecodeSpec(max_new_tokens=args.new_tokens), args.seed, args.style,
+                        grid.drafters, largest_tree=max(Tree.from_name(t).size for t in grid.trees))
   print(f"{len(points)} points; setup {time.perf_counter() - started:.0f}s", flush=True)
   rows = []
   for point in tqdm(points, desc="trees", unit="point"):
-    rows.append({**point, **tree_sweep.measure_point(bench, point)})
+    rows.append({**point, **tree_sweep.measure_point(bench, grid.repeats, point)})
     r = rows[-1]
     tqdm.write(f"{r['drafter']} {r['tree']} T={r['temperature']:g}: "
                f"{r['tokens_per_target_call']:.2f} tokens/call, speedup {r['decode_speedup']:.2f}x, "
                f"predicted {r['predicted_speedup']:.2f}x"
                + ("" if r["temperature"] else f", greedy equal: {r['outputs_match_baseline']}"))
   total_s = time.perf_counter() - started
-  header = (f"{tree_sweep.speculative_sweep.size_name(target.config)} target ({args.checkpoint}), "
-            f"batch 1, {len(bench.setup.prompts[args.task])} held-out {args.task} prompts, "
+  header = (f"{measure.size_name(target.config)} target ({args.checkpoint}), "
+            f"batch 1, {len(bench.prompts[args.task])} held-out {args.task} prompts, "
             f"{args.new_tokens} new tokens, EOS on; {platform.machine()} with {os.cpu_count()} "
             f"cores, jax {jax.__version__}; {args.repeats} timed pass(es) per point, in turn with "
             f"the baseline's and the parts'. Total run {total_s / 60:.1f} min.")
