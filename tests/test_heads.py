@@ -13,8 +13,10 @@ import optax
 import pytest
 
 from conftest import random_decoder_params, random_t5_params
-from specjax import heads, mtp, trees
-from specjax.decoding import autoregressive
+from specjax import contracts
+from specjax.decoding import autoregressive, core
+from specjax.decoding.tree import Tree
+from specjax.drafters import heads, mtp
 from specjax.training import heads as train_heads
 from specjax.training import teacher, trainer
 from specjax.models import decoder_only, t5
@@ -101,9 +103,10 @@ def test_hidden_states_are_the_targets_and_untrained_heads_are_its_head():
                              atol=2e-2, rtol=2e-3)
   first = slice(train.offsets[0], train.offsets[1])
   tokens = jnp.asarray(train.tokens[first])[None]
-  logits, hidden, _ = decoder_only.make_feature_step(TARGET)(
+  logits, hidden, _ = decoder_only.make_forward(TARGET)(
       target_params, tokens, jnp.arange(tokens.shape[1])[None],
-      decoder_only.init_cache(TARGET, 1, tokens.shape[1]))
+      decoder_only.init_cache(TARGET, 1, tokens.shape[1]),
+      features=contracts.FeatureSpec(final_norm=True))
   np.testing.assert_allclose(features[first].astype(np.float32), np.asarray(hidden[0]), atol=2e-2,
                              rtol=2e-3)
   # Zero-initialised heads score exactly what the target scores for the next token.
@@ -163,7 +166,8 @@ def test_training_lowers_held_out_loss_and_raises_top1(tmp_path, cache):
   # for this very target.
   assert not (cache / "heads_features").exists()
   target_params, _, _ = _setup()
-  drafter, params = heads.load_heads(tmp_path / "run" / "heads", TARGET, target_params)
+  drafter, params = heads.load_heads(tmp_path / "run" / "heads", TARGET, target_params,
+                                     Tree.chain(HEADS.num_heads))
   assert drafter.num_heads == HEADS.num_heads and params["head_tokens"].shape == (40,)
   meta = json.loads((tmp_path / "run" / "heads" / heads.METADATA_FILE).read_text())
   assert meta["validation"]["head_1"]["top1"] == pytest.approx(after["head_1"]["top1"])
@@ -198,35 +202,49 @@ def test_heads_refuse_a_target_they_were_not_trained_for(tmp_path):
   fingerprint = heads.target_fingerprint(TARGET, target_params)
   heads.save_heads(tmp_path / "heads", _random_heads(2, 0), np.arange(10, 70), TARGET, fingerprint,
                    {"target": {"checkpoint": "tiny-seed-3"}})
-  heads.load_heads(tmp_path / "heads", TARGET, target_params)  # its own target: fine
+  tree = Tree.spine(2, 3)
+  heads.load_heads(tmp_path / "heads", TARGET, target_params, tree)  # its own target: fine
   other = random_decoder_params(TARGET, seed=4, scale=0.2)
   with pytest.raises(ValueError, match=r"another target \(tiny-seed-3\).*specjax.train"):
-    heads.load_heads(tmp_path / "heads", TARGET, other)
+    heads.load_heads(tmp_path / "heads", TARGET, other, tree)
   # One weight changed anywhere (not the embedding) is another target too.
   nudged = jax.tree_util.tree_map(np.asarray, target_params)
   nudged["layers_1"]["mlp"] = jax.tree_util.tree_map(lambda x: x * 1.001, nudged["layers_1"]["mlp"])
   assert heads.target_fingerprint(TARGET, nudged) != fingerprint
   wider = dataclasses.replace(TARGET, vocab_size=256)
   with pytest.raises(ValueError, match="vocabulary 128 and width 64"):
-    heads.load_heads(tmp_path / "heads", wider, random_decoder_params(wider, seed=0))
+    heads.load_heads(tmp_path / "heads", wider, random_decoder_params(wider, seed=0), tree)
   t5_config = t5.SIZES["tiny"]  # an encoder-decoder target: no heads exist for it
   with pytest.raises(ValueError, match="decoder-only targets only.*chain drafter's top-k"):
-    heads.load_heads(tmp_path / "heads", t5_config, random_t5_params(t5_config))
-  with pytest.raises(FileNotFoundError, match="train_heads"):
-    heads.load_heads(tmp_path / "nothing", TARGET, target_params)
+    heads.load_heads(tmp_path / "heads", t5_config, random_t5_params(t5_config), tree)
+  with pytest.raises(FileNotFoundError,
+                     match="no trained heads.*specjax.train --gin_file=configs/smollm2_heads.gin"):
+    heads.load_heads(tmp_path / "nothing", TARGET, target_params, tree)
+
+
+def _context(history, position, newest, seed):
+  """A DraftContext whose newest features (entry feature_count - 1 of a window of 3, the count
+  varying by row) are newest[B, F]; the other entries are noise the drafter must not read."""
+  rows = len(position)
+  count = 1 + np.arange(rows) % 3
+  window = np.random.RandomState(seed).randn(rows, 3, newest.shape[-1]).astype(np.float32)
+  window[np.arange(rows), count - 1] = newest
+  return contracts.DraftContext(jnp.asarray(history), jnp.asarray(position), jnp.asarray(window),
+                                jnp.asarray(count, jnp.int32))
 
 
 def test_candidates_are_each_heads_top_tokens():
   target_params, _, _ = _setup()
   trained = _random_heads(3, seed=1)
   head_tokens = np.sort(np.random.RandomState(2).choice(128, 96, replace=False)).astype(np.int32)
-  drafter = heads.HeadsDrafter(3)
+  drafter = heads.HeadsDrafter(3, Tree.spine(2, 5))
   params = heads.drafter_params(trained, head_tokens, TARGET, target_params)
   features = np.random.RandomState(3).randn(5, 64).astype(np.float32)
   history, position = np.zeros((5, 16), np.int32), np.full((5,), 7, np.int32)
   state = drafter.init(params, history, position, 16)
-  run = jax.jit(drafter.candidates, static_argnums=(5, 6))
-  candidates, state = run(params, state, history, position, features, 2, 5)
+  context = _context(history, position, features, seed=4)
+  run = jax.jit(drafter.candidates, static_argnums=(3, 4))
+  candidates, state = run(params, state, context, 2, 5)
   assert candidates.shape == (5, 2, 5) and candidates.dtype == jnp.int32 and state is None
   rows = np.asarray(target_params["embedding"], np.float64)[head_tokens]
   for d in range(2):
@@ -236,11 +254,11 @@ def test_candidates_are_each_heads_top_tokens():
     logits = (features + z / (1.0 + np.exp(-z))) @ rows.T
     ranked = np.argsort(-logits, axis=-1, kind="stable")[:, :5]
     np.testing.assert_array_equal(np.asarray(candidates[:, d]), head_tokens[ranked])
-  assert drafter.calls_per_iteration(3) == 1
-  with pytest.raises(ValueError, match="depth 4 needs 4 heads"):
-    drafter.candidates(params, state, history, position, features, 4, 2)
+  assert drafter.calls_per_iteration == 1
+  with pytest.raises(ValueError, match="depth 4 needs 4 heads"):  # the tree fixes the depth
+    heads.HeadsDrafter(3, Tree.chain(4))
   with pytest.raises(ValueError, match="width must lie in 1..96"):
-    drafter.candidates(params, state, history, position, features, 1, 97)
+    drafter.candidates(params, state, context, 1, 97)
 
 
 def test_the_smollm2_heads_config_is_the_library_default():
@@ -257,7 +275,7 @@ def test_the_smollm2_heads_config_is_the_library_default():
 
 
 # ---------------------------------------------------------------------------------------------------
-# The shared MTP head (specjax/mtp.py), trained by the same command with HeadsSpec.kind = "mtp".
+# The shared MTP head (specjax/drafters/mtp.py), trained by the same command with HeadsSpec.kind = "mtp".
 
 MTP = dataclasses.replace(HEADS, kind="mtp")
 
@@ -270,10 +288,10 @@ def test_mtp_training_lowers_held_out_loss_and_the_tree_loop_accepts_its_chain(t
     assert before[name]["top1"] < 0.1 and after[name]["top1"] > 0.6, (name, before, after)
   assert after["head_3"]["chain_top1"] > 0.4, after
   target_params, _, val = _setup()
-  drafter, params = mtp.load_mtp(directory, TARGET, target_params)
+  drafter, params = mtp.load_mtp(directory, TARGET, target_params, Tree.chain(3))
   assert isinstance(drafter, mtp.MTPDrafter) and params["head_tokens"].shape == (40,)
   with pytest.raises(ValueError, match="holds an MTP head.*mtp:"):
-    heads.load_heads(directory, TARGET, target_params)
+    heads.load_heads(directory, TARGET, target_params, Tree.chain(3))
   # In the jitted tree loop on held-out prompts of the tiny language: output equals the target's
   # greedy decode (lossless whatever the drafter), and the head's chain is mostly accepted: 3.75
   # tokens per call of at most 4 (untrained: 1.0; reading the root one position early: 2.1).
@@ -285,7 +303,7 @@ def test_mtp_training_lowers_held_out_loss_and_the_tree_loop_accepts_its_chain(t
     prompts[row, :len(sequence)], lengths[row] = sequence, len(sequence)
   expected = autoregressive.make_generate(model, autoregressive.DecodeShape(16))(
       target_params, prompts, lengths, jax.random.PRNGKey(0), 0.0)
-  out = trees.make_tree_decode(model, drafter, trees.TreeConfig(trees.Tree.chain(3), 16))(
+  out = core.make_decode(model, drafter, core.DecodeConfig(16))(
       target_params, params, prompts, lengths, jax.random.PRNGKey(0), 0.0)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   tokens_per_call = (np.asarray(out.num_generated) - 1).sum() / (8 * int(out.target_calls))
@@ -321,9 +339,10 @@ def test_mtp_candidates_follow_the_recursion_and_an_untrained_head_is_the_target
   features = np.random.RandomState(3).randn(5, 64).astype(np.float32)
   history = np.random.RandomState(4).randint(0, 128, (5, 16)).astype(np.int32)
   position = np.array([7, 3, 9, 0, 15], np.int32)
-  drafter = mtp.MTPDrafter()
-  run = jax.jit(drafter.candidates, static_argnums=(5, 6))
-  candidates, state = run(params, None, history, position, features, 3, 4)
+  drafter = mtp.MTPDrafter(Tree.spine(3, 4))
+  context = _context(history, position, features, seed=5)
+  run = jax.jit(drafter.candidates, static_argnums=(3, 4))
+  candidates, state = run(params, None, context, 3, 4)
   assert candidates.shape == (5, 3, 4) and candidates.dtype == jnp.int32 and state is None
   embedding = np.asarray(target_params["embedding"], np.float64)
   w = {k: np.asarray(v, np.float64) for k, v in trained.items()}
@@ -336,7 +355,7 @@ def test_mtp_candidates_follow_the_recursion_and_an_untrained_head_is_the_target
     np.testing.assert_array_equal(np.asarray(candidates[:, d]), ranked[:, :4])
     token = ranked[:, 0]
   with pytest.raises(ValueError, match="width must lie in 1..96"):
-    drafter.candidates(params, None, history, position, features, 1, 97)
+    drafter.candidates(params, None, context, 1, 97)
   # Zero weights: every step scores what the target scores after the hidden state it was given.
   zero = mtp.drafter_params(mtp.init_mtp(64), None, TARGET, target_params)
   states, logits = mtp.unroll(zero["mtp"], zero["embed_rows"], zero["head_rows"], features,
@@ -350,11 +369,13 @@ def test_mtp_refuses_a_target_it_was_not_trained_for(tmp_path):
   fingerprint = heads.target_fingerprint(TARGET, target_params)
   mtp.save_mtp(tmp_path / "mtp", _random_mtp(0), np.arange(10, 70), TARGET, fingerprint, 3,
                {"target": {"checkpoint": "tiny-seed-3"}})
-  mtp.load_mtp(tmp_path / "mtp", TARGET, target_params)  # its own target: fine
+  tree = Tree.chain(3)
+  mtp.load_mtp(tmp_path / "mtp", TARGET, target_params, tree)  # its own target: fine
   with pytest.raises(ValueError, match=r"MTP head .* another target \(tiny-seed-3\).*smollm2_mtp.gin"):
-    mtp.load_mtp(tmp_path / "mtp", TARGET, random_decoder_params(TARGET, seed=4, scale=0.2))
+    mtp.load_mtp(tmp_path / "mtp", TARGET, random_decoder_params(TARGET, seed=4, scale=0.2),
+                 tree)
   heads.save_heads(tmp_path / "medusa", _random_heads(2, 0), None, TARGET, fingerprint)
   with pytest.raises(ValueError, match="holds Medusa heads.*heads:"):
-    mtp.load_mtp(tmp_path / "medusa", TARGET, target_params)
+    mtp.load_mtp(tmp_path / "medusa", TARGET, target_params, tree)
   with pytest.raises(ValueError, match="kind must be 'medusa' or 'mtp'"):
     train_heads.HeadsSpec(kind="eagle")
