@@ -7,8 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from specjax import drafters, speculative
-from specjax.decoding import autoregressive
+from specjax.decoding import autoregressive, core
+from specjax.drafters import expansion, tables
+from specjax.drafters.model import ModelDrafter
 from specjax.data import prompts
 from specjax.contracts import StepModel
 from specjax.models import decoder_only
@@ -40,9 +41,9 @@ def _drafter(kind, config, params, tok):
   if kind == "sparse bigram":
     train = prompts.load_prompt_set("humaneval", "train")
     text = [tok.encode(p + r) for p, r in zip(train.prompts, train.references)]
-    return drafters.SparseBigramDrafter(), drafters.sparse_bigram(text, config.vocab_size, top_k=32)
+    return tables.SparseBigramDrafter(), tables.sparse_bigram(text, config.vocab_size, top_k=32)
   draft_config, draft_params = decoder_only.truncate_layers(config, params, 2)
-  return drafters.ModelDrafter(decoder_only.model(draft_config)), draft_params
+  return ModelDrafter(decoder_only.model(draft_config)), draft_params
 
 
 @pytest.mark.parametrize("kind", ["sparse bigram", "truncated 2 layers"])
@@ -50,10 +51,9 @@ def test_greedy_equals_target_greedy(smollm2, batch_and_expected, kind):
   config, params, tok = smollm2
   tokens, lengths, expected = batch_and_expected
   drafter, draft_params = _drafter(kind, config, params, tok)
-  out = speculative.make_speculative_decode(
-      decoder_only.model(config), drafter,
-      speculative.SpecConfig(gamma=3, max_new_tokens=NEW_TOKENS, eos_id=tok.eos_id,
-                            pad_id=tok.pad_id))(
+  out = core.make_decode(
+      decoder_only.model(config), expansion.SampledChain(drafter, 3),
+      core.DecodeConfig(max_new_tokens=NEW_TOKENS, eos_id=tok.eos_id, pad_id=tok.pad_id))(
           params, draft_params, tokens, lengths, jax.random.PRNGKey(0), 0.0)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   np.testing.assert_array_equal(out.num_generated, expected.num_generated)
