@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 from conftest import random_decoder_params
-from specjax import checkpoints, drafters, metrics, speculative
+from specjax import checkpoints, metrics
+from specjax.decoding import core
+from specjax.drafters import expansion
+from specjax.drafters.model import ModelDrafter
 from specjax.training import teacher, draft_model, trainer
 from specjax.checkpoints import hf
 from specjax.models import decoder_only
@@ -69,25 +72,25 @@ def test_teacher_data_is_the_targets_own_distribution():
 
 def _acceptance(target_params, draft_params, seed):
   """Empirical acceptance of speculative sampling (temperature 1) on fresh prompts."""
-  drafter = drafters.ModelDrafter(decoder_only.model(DRAFT))
+  drafter = expansion.SampledChain(ModelDrafter(decoder_only.model(DRAFT)), 3)
   prompts = _prompts(16, seed=seed)
   tokens = np.zeros((16, 12), np.int32)
   for row, p in enumerate(prompts):
     tokens[row, :len(p)] = p
   lengths = np.array([len(p) for p in prompts], np.int32)
-  shape = speculative.SpecConfig(gamma=3, max_new_tokens=24, pad_id=0)
-  out = speculative.make_speculative_decode(decoder_only.model(TARGET), drafter, shape)(
+  shape = core.DecodeConfig(max_new_tokens=24, pad_id=0)
+  out = core.make_decode(decoder_only.model(TARGET), drafter, shape)(
       target_params, draft_params, tokens, lengths, jax.random.PRNGKey(seed), 1.0)
   return metrics.empirical_alpha(out.stats.num_accepted, 3)
 
 
 def test_distillation_lowers_kl_and_raises_acceptance(tmp_path):
   target_params, _, _, _, _, train_batches, val_batches, init = _setup()
-  trainer = draft_model.Trainer(DRAFT, SPEC)
-  before = trainer.evaluate(decoder_only.model_params(init), val_batches)
-  params, losses = trainer.fit(trainer, decoder_only.model_params(init), train_batches, 0,
-                                tmp_path / "ckpt")
-  after = trainer.evaluate(params, val_batches)
+  draft_trainer = draft_model.Trainer(DRAFT, SPEC)
+  before = draft_trainer.evaluate(decoder_only.model_params(init), val_batches)
+  params, losses = trainer.fit(draft_trainer, decoder_only.model_params(init), train_batches, 0,
+                               tmp_path / "ckpt")
+  after = draft_trainer.evaluate(params, val_batches)
   assert after["kl"] < 0.5 * before["kl"], (before, after)
   assert after["overlap"] > before["overlap"] + 0.1, (before, after)
   assert losses[-1][1] < losses[0][1]
