@@ -14,8 +14,11 @@ from scipy import stats
 
 from conftest import (BigramDrafter, LengthsCache, bigram_model, ragged_source, random_t5_params,
                       run_check_on_8_devices)
-from specjax import contracts, drafters, speculative, tree_drafters, trees
-from specjax.decoding import autoregressive, sampling
+from specjax import contracts
+from specjax.decoding import autoregressive, core, sampling
+from specjax.decoding.tree import Tree
+from specjax.drafters import expansion, lookup, tables
+from specjax.drafters.model import ModelDrafter
 from specjax.checkpoints import hf_t5
 from specjax.models import decoder_only, t5
 
@@ -80,28 +83,30 @@ def test_greedy_generation_equals_transformers_generate(cfg, tmp_path):
 
 
 def _greedy_drafter(kind):
+  """(a one-token step, its params) of the named kind."""
   if kind == "random T5":
-    return drafters.ModelDrafter(t5.model(DRAFT)), random_t5_params(DRAFT, seed=7)
+    return ModelDrafter(t5.model(DRAFT)), random_t5_params(DRAFT, seed=7)
   if kind == "identical T5":
-    return drafters.ModelDrafter(t5.model(TARGET)), _target_params()
+    return ModelDrafter(t5.model(TARGET)), _target_params()
   if kind == "bigram":
     table = np.random.RandomState(8).randn(128, 128).astype(np.float32)
     return BigramDrafter(), jnp.asarray(table)
   if kind == "unigram":
-    return drafters.UnigramDrafter(), jnp.asarray(np.random.RandomState(9).randn(128), jnp.float32)
+    return tables.UnigramDrafter(), jnp.asarray(np.random.RandomState(9).randn(128), jnp.float32)
   if kind == "lookup over the source":
-    return drafters.PromptLookupDrafter(128, max_ngram=2), None
+    return lookup.PromptLookupDrafter(128, max_ngram=2), None
   inner, params = _greedy_drafter("random T5")
-  return drafters.LookupThenDrafter(inner, drafters.PromptLookupDrafter(128, 2, 1)), params
+  return lookup.TokenLookupFront(inner, lookup.PromptLookupDrafter(128, 2, 1)), params
 
 
 @pytest.mark.parametrize("batch", [4, pytest.param(1, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["random T5", "identical T5", "bigram", "unigram",
                                   "lookup over the source", "lookup then random T5"])
 def test_speculative_greedy_equals_target_greedy(kind, batch):
-  drafter, draft_params = _greedy_drafter(kind)
-  config = speculative.SpecConfig(gamma=3, max_new_tokens=NEW_TOKENS, eos_id=_eos(), pad_id=0)
-  out = speculative.make_speculative_decode(t5.model(TARGET), drafter, config)(
+  step, draft_params = _greedy_drafter(kind)
+  gamma = 3
+  config = core.DecodeConfig(max_new_tokens=NEW_TOKENS, eos_id=_eos(), pad_id=0)
+  out = core.make_decode(t5.model(TARGET), expansion.SampledChain(step, gamma), config)(
       _target_params(), draft_params, *_prompt(batch), jax.random.PRNGKey(2), 0.0,
       source=_source(batch))
   expected = _target_greedy(batch)
@@ -111,19 +116,20 @@ def test_speculative_greedy_equals_target_greedy(kind, batch):
     assert int(out.num_generated[0]) < NEW_TOKENS <= int(out.num_generated.max())
   n = np.asarray(out.stats.num_accepted)
   if kind == "identical T5":
-    assert np.all(n[n >= 0] == config.gamma)
+    assert np.all(n[n >= 0] == gamma)
 
 
 def test_prompt_lookup_finds_the_source():
   """The decoder's last tokens matched inside the source propose what followed them there."""
-  lookup = drafters.PromptLookupDrafter(vocab_size=50, max_ngram=2)
+  drafter = lookup.PromptLookupDrafter(vocab_size=50, max_ngram=2)
   source = contracts.Source(jnp.array([[7, 8, 9, 10, 1, 0], [3, 4, 1, 0, 0, 0]], jnp.int32),
                             jnp.array([5, 3]))
-  state = lookup.init(None, *t5.decoder_prompt(TARGET, 2), max_length=8, source=source)
+  state = drafter.init(None, *t5.decoder_prompt(TARGET, 2), max_length=8, source=source)
   # Row 0 decodes [start, 8, 9]: "8 9" is in the source, followed by 10. Row 1 decodes
   # [start, 5, 6], found nowhere (the source's padding never matches): the uniform fallback.
-  probs, state = lookup.propose(None, state, jnp.array([[8, 9], [5, 6]]), jnp.array([[1, 2], [1, 2]]),
-                                functools.partial(sampling.probs_from_logits, temperature=1.0))
+  probs, state = drafter.propose(None, state, jnp.array([[8, 9], [5, 6]]),
+                                 jnp.array([[1, 2], [1, 2]]),
+                                 functools.partial(sampling.probs_from_logits, temperature=1.0))
   np.testing.assert_array_equal(probs[0], np.eye(50)[10])
   np.testing.assert_allclose(probs[1], np.full(50, 1 / 50), atol=1e-7)
 
@@ -155,14 +161,15 @@ class ConditionalBigram:
   def init_cache(self, batch, max_length):
     return LengthsCache(jnp.zeros((batch,), jnp.int32))
 
-  # As a tree model (trees.py): a node's logits depend on its own token and the source only; the
-  # lengths-only cache has nothing to compact.
-  verifies_trees = True
-
-  def feature_step(self, params, context, tokens, positions, cache, slots=None, visible=None):
+  # Verifying trees too (decoding/tree.py): a node's logits depend on its own token and the source
+  # only; the lengths-only cache has nothing to compact. It has no hidden states to hand a drafter.
+  def forward(self, params, context, tokens, positions, cache, slots=None, visible=None,
+              features=None):
+    if features is not None:
+      raise ValueError("the conditional bigram has no hidden states")
     logits, cache = self.decode_step(params, context, tokens,
                                      positions if slots is None else slots, cache)
-    return logits, jnp.zeros(tokens.shape + (1,)), cache
+    return logits, None, cache
 
   def move_cache(self, cache, source_slots, dest_slots):
     return cache
@@ -170,10 +177,10 @@ class ConditionalBigram:
 
 @functools.lru_cache(maxsize=None)
 def _stat_fn(kind, top_k):
-  drafter = (drafters.PromptLookupDrafter(VOCAB, 2, 1) if kind == "lookup over the source"
-             else drafters.ModelDrafter(ConditionalBigram()))
-  return speculative.make_speculative_decode(
-      ConditionalBigram(), drafter, speculative.SpecConfig(gamma=3, max_new_tokens=5, top_k=top_k))
+  step = (lookup.PromptLookupDrafter(VOCAB, 2, 1) if kind == "lookup over the source"
+          else ModelDrafter(ConditionalBigram()))
+  return core.make_decode(ConditionalBigram(), expansion.SampledChain(step, 3),
+                          core.DecodeConfig(max_new_tokens=5, top_k=top_k))
 
 
 def _laws(table, condition, temperature, top_k, top_p, steps):
@@ -238,14 +245,14 @@ TREE_CASES = [("T5-style draft", "spine:3x2", dict(temperature=1.0)),
 def test_tree_emitted_distribution_equals_target(kind, tree_name, transform):
   """The token-tree loop on the encoder-decoder table model, its tree from the draft's top-k (2
   conditions x 5 positions x 2 cases: false-failure rate < 2e-5 over seeds)."""
-  drafter = (drafters.PromptLookupDrafter(VOCAB, 2, 1) if kind.startswith("lookup")
-             else drafters.ModelDrafter(ConditionalBigram()))
-  decode = trees.make_tree_decode(ConditionalBigram(), tree_drafters.ChainTopK(drafter),
-                                  trees.TreeConfig(trees.Tree.from_name(tree_name), 5))
+  step = (lookup.PromptLookupDrafter(VOCAB, 2, 1) if kind.startswith("lookup")
+          else ModelDrafter(ConditionalBigram()))
+  decode = core.make_decode(ConditionalBigram(), expansion.TopK(step, Tree.from_name(tree_name)),
+                            core.DecodeConfig(5))
   run = lambda *args: decode(*args[:-1], source=args[-1])
   out = _run_and_check_laws(run, kind, transform, 10 + TREE_CASES.index((kind, tree_name, transform)))
   n = np.asarray(out.stats.num_accepted)
-  assert 0 < n[n >= 0].mean() < trees.Tree.from_name(tree_name).depth  # accepts and misses
+  assert 0 < n[n >= 0].mean() < Tree.from_name(tree_name).depth  # accepts and misses
 
 
 def test_sharded_equals_unsharded():
@@ -254,24 +261,22 @@ def test_sharded_equals_unsharded():
 
 
 def test_mixed_families_and_vocabularies_are_refused():
-  config = speculative.SpecConfig(gamma=2, max_new_tokens=4)
+  config = core.DecodeConfig(max_new_tokens=4)
+  chain = lambda step: expansion.SampledChain(step, 2)
   llama = decoder_only.SIZES["tiny"]
   with pytest.raises(ValueError, match="draft is a decoder-only model but the target is an "
                                        "encoder-decoder"):
-    speculative.make_speculative_decode(t5.model(TARGET),
-                                        drafters.ModelDrafter(decoder_only.model(llama)), config)
+    core.make_decode(t5.model(TARGET), chain(ModelDrafter(decoder_only.model(llama))), config)
   with pytest.raises(ValueError, match="draft is an encoder-decoder model but the target is a "
                                        "decoder-only"):
-    speculative.make_speculative_decode(bigram_model(), drafters.ModelDrafter(t5.model(TARGET)),
-                                        config)
+    core.make_decode(bigram_model(), chain(ModelDrafter(t5.model(TARGET))), config)
   with pytest.raises(ValueError, match="draft is an encoder-decoder"):  # behind prompt lookup too
-    speculative.make_speculative_decode(
-        bigram_model(), drafters.LookupThenDrafter(drafters.ModelDrafter(t5.model(TARGET)),
-                                                   drafters.PromptLookupDrafter(128)), config)
+    core.make_decode(
+        bigram_model(), chain(lookup.TokenLookupFront(ModelDrafter(t5.model(TARGET)),
+                                                      lookup.PromptLookupDrafter(128))), config)
   wide = t5.T5Config(vocab_size=256, embed_dim=16, num_encoder_layers=1, num_decoder_layers=1,
                      num_heads=2, head_dim=8, mlp_dim=32)
-  fn = speculative.make_speculative_decode(t5.model(TARGET), drafters.ModelDrafter(t5.model(wide)),
-                                           config)
+  fn = core.make_decode(t5.model(TARGET), chain(ModelDrafter(t5.model(wide))), config)
   with pytest.raises(ValueError, match="target has 128 tokens, the drafter 256"):
     fn(_target_params(), random_t5_params(wide), *_prompt(1), jax.random.PRNGKey(0),
        source=_source(1))
