@@ -126,7 +126,7 @@ def tree_table(rows: list[dict]) -> tables.Table:
            "steps (the baseline's decode ms per token at that temperature): the drafter's "
            "candidates, the target verifying the T nodes (v(T)), the transform at every node with "
            "the walk and the cache compaction. speedup = baseline decode ms/token over the tree loop's "
-           "(each prompt's fixed cost left out: speculative_sweep.paired_decode_seconds); predicted = "
+           "(each prompt's fixed cost left out: measure.paired_decode_seconds); predicted = "
            "theory.tree_speedup(beta by depth, costs).")
 
 

@@ -198,7 +198,9 @@ def tiny_t5_files(root: pathlib.Path, config=None, seed: int = 21):
 def generation_gin(path, output_dir, checkpoint, vocabulary_path, prompts, max_new_tokens=10):
   """A `generation.Generate` config for `checkpoint` over a prompts file (all of it, batches of 2)."""
   path.write_text(f"""from __gin__ import dynamic_registration
-from specjax import generation, run, specs
+from specjax import generation
+from specjax import run
+from specjax import specs
 
 run.main.job = @generation.Generate()
 generation.Generate:

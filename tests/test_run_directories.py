@@ -8,14 +8,12 @@ SentencePiece model trained here) over a 5-prompt JSONL file: a few seconds each
 
 import fcntl
 import json
-import re
 import shutil
 
 import gin
 import pytest
 
-import conftest
-from conftest import random_decoder_params, random_t5_params, tiny_t5_files
+from conftest import random_decoder_params, random_t5_params, generation_gin, tiny_t5_files
 from experiments import speculative_sweep
 from specjax import checkpoints, loading, outputs, run, specs
 from specjax.checkpoints import hf, hf_t5
@@ -23,16 +21,6 @@ from specjax.drafters import registry
 from specjax.models import decoder_only, t5
 
 CONFIG = t5.SIZES["tiny"]
-
-
-def generation_gin(*args, **kwargs):
-  """conftest.generation_gin with each `from m import a, b` line split into one import per name:
-  gin's parser takes one name per import statement, and the template's
-  `from specjax import generation, run, specs` is a SyntaxError to gin (conftest is not ours)."""
-  path = conftest.generation_gin(*args, **kwargs)
-  one_each = lambda m: "\n".join(f"from {m[1]} import {n.strip()}" for n in m[2].split(","))
-  path.write_text(re.sub(r"^from (\S+) import (.+,.+)$", one_each, path.read_text(), flags=re.M))
-  return path
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ sources that do not fit are refused with the fix."""
 import functools
 import json
 import pathlib
-import re
 import subprocess
 import sys
 
@@ -16,8 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-import conftest
-from conftest import random_t5_params, tiny_t5_files
+from conftest import random_t5_params, generation_gin, tiny_t5_files
 from specjax import contracts, loading, run, vocabulary
 from specjax.data import prompts
 from specjax.checkpoints import hf_t5, t5x
@@ -25,16 +23,6 @@ from specjax.models import t5
 
 CONFIG = t5.SIZES["tiny"]  # 128 logits; the vocabulary below has 100 pieces
 NEW_TOKENS = 10
-
-
-def generation_gin(*args, **kwargs):
-  """conftest.generation_gin with each `from m import a, b` line split into one import per name:
-  gin's parser takes one name per import statement, and the template's
-  `from specjax import generation, run, specs` is a SyntaxError to gin (conftest is not ours)."""
-  path = conftest.generation_gin(*args, **kwargs)
-  one_each = lambda m: "\n".join(f"from {m[1]} import {n.strip()}" for n in m[2].split(","))
-  path.write_text(re.sub(r"^from (\S+) import (.+,.+)$", one_each, path.read_text(), flags=re.M))
-  return path
 
 
 @pytest.fixture(scope="module")
