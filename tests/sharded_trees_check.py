@@ -10,11 +10,16 @@ import jax  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402
 
 from conftest import ragged_source, random_decoder_params, random_t5_params  # noqa: E402
-from specjax import contracts, drafters, models, sharding, tree_drafters, trees  # noqa: E402
+from specjax import contracts, models, sharding  # noqa: E402
+from specjax.decoding import core  # noqa: E402
+from specjax.decoding.tree import Tree  # noqa: E402
+from specjax.drafters import expansion  # noqa: E402
+from specjax.drafters.model import ModelDrafter  # noqa: E402
 from specjax.models import decoder_only, t5  # noqa: E402
 
 SETTINGS = [("greedy", 0.0), ("sampled", 0.8)]
-CONFIG = trees.TreeConfig(trees.Tree.from_name("spine:3x2"), max_new_tokens=12)
+TREE = Tree.from_name("spine:3x2")
+CONFIG = core.DecodeConfig(max_new_tokens=12)
 FAMILIES = {
     "decoder-only": (decoder_only, decoder_only.SIZES["tiny"],
                      decoder_only.DecoderConfig(vocab_size=decoder_only.SIZES["tiny"].vocab_size,
@@ -44,13 +49,12 @@ def main():
     tokens, lengths, source = inputs(family, target)
     decode = lambda fn, tp, dp, temperature: fn(tp, dp, tokens, lengths, rng, temperature,
                                                 source=source)
-    plain_fn = trees.make_tree_decode(
-        module.model(target), tree_drafters.ChainTopK(drafters.ModelDrafter(module.model(draft))),
-        CONFIG)
+    plain_fn = core.make_decode(
+        module.model(target), expansion.TopK(ModelDrafter(module.model(draft)), TREE), CONFIG)
     plain = {name: decode(plain_fn, target_params, draft_params, temperature)
              for name, temperature in SETTINGS}
     n = np.asarray(plain["sampled"].stats.num_accepted)
-    assert 0 < n[n >= 0].mean() < CONFIG.tree.depth, "want both accepts and rejects when sampled"
+    assert 0 < n[n >= 0].mean() < TREE.depth, "want both accepts and rejects when sampled"
     for data, model in [(2, 4), (1, 8)]:
       mesh = sharding.make_mesh(data, model)
       target_shardings = models.param_shardings(target, mesh)
@@ -60,9 +64,9 @@ def main():
         leaves = jax.tree_util.tree_leaves(placed)
         assert max(len(leaf.sharding.device_set) for leaf in leaves) == 8
         assert all(leaf.sharding.mesh == mesh for leaf in leaves)
-      fn = trees.make_tree_decode(
+      fn = core.make_decode(
           module.model(target, mesh),
-          tree_drafters.ChainTopK(drafters.ModelDrafter(module.model(draft, mesh))), CONFIG)
+          expansion.TopK(ModelDrafter(module.model(draft, mesh)), TREE), CONFIG)
       for name, temperature in SETTINGS:
         out = decode(fn, placed_target, placed_draft, temperature)
         np.testing.assert_array_equal(out.tokens, plain[name].tokens,
