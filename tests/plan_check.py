@@ -12,8 +12,10 @@ import jax  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402
 
 from conftest import random_decoder_params  # noqa: E402
-from specjax import contracts, drafters, models, plan, sharding, speculative  # noqa: E402
-from specjax.decoding import autoregressive  # noqa: E402
+from specjax import contracts, models, plan, sharding  # noqa: E402
+from specjax.decoding import autoregressive, core  # noqa: E402
+from specjax.drafters import expansion  # noqa: E402
+from specjax.drafters.model import ModelDrafter  # noqa: E402
 from specjax.plan import devices, workload  # noqa: E402
 from specjax.models import decoder_only  # noqa: E402
 
@@ -58,8 +60,8 @@ def check_plan_equals_allocation():
 
   # The loop compiled from real, placed arrays has the plan's memory figures.
   loop = jax.jit(functools.partial(
-      speculative.speculative_decode, models.model_for(TARGET, mesh),
-      drafters.ModelDrafter(models.model_for(DRAFT, mesh)), speculative.SpecConfig(3, 8)))
+      core.decode, models.model_for(TARGET, mesh),
+      expansion.SampledChain(ModelDrafter(models.model_for(DRAFT, mesh)), 3), core.DecodeConfig(8)))
   settings = (np.float32(0.0), np.float32(1.0), np.float32(1.0))  # temperature, top_p, lenience
   tokens = sharding.place(prompts, sharding.batch_sharding(mesh, 4))
   row_lengths = sharding.place(lengths, sharding.batch_sharding(mesh, 4, 1))
