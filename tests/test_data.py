@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from specjax import assets
-from specjax.data import prompts, splits
+from specjax.data import gettext, prompts, splits
 from specjax.tokenizer import SMOLLM2_SYSTEM_PROMPT
 
 
@@ -134,7 +134,7 @@ def test_parse_po_handles_escapes_continuations_and_flags():
       'msgstr ""', '"Sag \\"hallo\\""', '"\\n"', '',
       'msgid "One file"', 'msgid_plural "%d files"', 'msgstr[0] "Eine Datei"', 'msgstr[1] "%d Dateien"',
   ])
-  entries = prompts.parse_po(text)
+  entries = gettext.parse_po(text)
   assert [e["msgid"] for e in entries] == ["", "Fuzzy", "May", 'Say "hi"\n', "One file"]
   assert entries[0]["msgstr"] == "Language: de\n"
   assert entries[1]["flags"] == {"fuzzy"}
