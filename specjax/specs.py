@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from specjax import validation
 from specjax.decoding import autoregressive, sampling
 
 EMBEDDED_SMOLLM2 = "embedded:smollm2"
@@ -36,6 +37,27 @@ class PromptSpec:
   bucket: int = 64
   max_prompt_length: int = 1024
 
+  def __post_init__(self):
+    """Settings in range, each refused by name (the prompts themselves are checked by the job that
+    reads them, validation.check_prompt_set, before any work)."""
+    from specjax.data import prompts  # pylint: disable=import-outside-toplevel
+    if self.split not in prompts.SPLITS:
+      raise ValueError(f"PromptSpec.split must be one of {prompts.SPLITS}, got {self.split!r}")
+    if self.style not in prompts.STYLES:
+      raise ValueError(f"PromptSpec.style must be one of {prompts.STYLES}, got {self.style!r}")
+    if self.limit is not None:
+      object.__setattr__(self, "limit", validation.whole_number(
+          self.limit, "PromptSpec.limit", 1, fix="it keeps the first `limit` prompts; None keeps all"))
+    whole = {
+        "batch_size": validation.whole_number(self.batch_size, "PromptSpec.batch_size", 1,
+                                              fix="it counts the prompts decoded together"),
+        "bucket": validation.whole_number(self.bucket, "PromptSpec.bucket", 1,
+                                          fix="prompts are padded to a multiple of it, e.g. 64"),
+        "max_prompt_length": validation.whole_number(
+            self.max_prompt_length, "PromptSpec.max_prompt_length", 1, validation.MAX_POSITIONS)}
+    for name, value in whole.items():  # 4.0 -> 4: these fix shapes
+      object.__setattr__(self, name, value)
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
@@ -46,5 +68,13 @@ class DecodeSpec:
   top_p: float = 1.0
 
   def __post_init__(self):
+    for name in ("temperature", "top_p"):
+      validation.finite_number(getattr(self, name), f"DecodeSpec.{name}")
+    # Whole numbers fix shapes: 128.0 -> 128.
+    object.__setattr__(self, "max_new_tokens", validation.whole_number(
+        self.max_new_tokens, "DecodeSpec.max_new_tokens", 1, validation.MAX_POSITIONS,
+        fix="it bounds the tokens each prompt gets and sizes the cache"))
+    object.__setattr__(self, "top_k", validation.whole_number(self.top_k, "DecodeSpec.top_k", 0,
+                                                              fix="0 disables top-k"))
     sampling.validate_sampling(self.temperature, self.top_k, self.top_p)
     autoregressive.validate_decode(self.max_new_tokens, self.top_k)

@@ -23,7 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax import contracts
+from specjax import contracts, validation
 from specjax.decoding import sampling
 
 
@@ -64,8 +64,8 @@ class DecodeShape:
 
 def validate_decode(max_new_tokens: int, top_k: int = 0) -> None:
   """The static settings every decode shares (this one and core.DecodeConfig)."""
-  if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens}")
+  validation.whole_number(max_new_tokens, "max_new_tokens", 1, validation.MAX_POSITIONS,
+                          fix="it bounds the tokens each prompt gets and sizes the cache")
   sampling.validate_sampling(0.0, top_k, 1.0)
 
 
@@ -125,6 +125,7 @@ def generate(model: contracts.Model, shape: DecodeShape, params, prompt_tokens: 
   Args:
     model: a contracts.Model (decoder-only or encoder-decoder).
     prompt_tokens: [B, P] int32, right-padded. prompt_lengths: [B] int32, each >= 1.
+    rng: a PRNG key, or one per row ([B, 2]: each row draws from its own, whatever its batch).
     temperature, top_p: traced scalars (0 = greedy), so a sweep over them compiles once.
     source: the encoder input of an encoder-decoder model (None for decoder-only).
   """
@@ -149,7 +150,7 @@ def generate(model: contracts.Model, shape: DecodeShape, params, prompt_tokens: 
   prompt_top_k = _top_k_logp(logits, k) if k else None
   probs_fn = functools.partial(sampling.probs_from_logits, temperature=temperature,
                                top_k=shape.top_k, top_p=top_p)
-  rng, first_rng = jax.random.split(rng)
+  rng, first_rng = sampling.split(rng)  # one key, or one per row (sampling.per_row)
   first = sampling.sample(first_rng, probs_fn(last_prompt_logits(logits, prompt_lengths)))
   out = jnp.full((batch, max_new), shape.pad_id, jnp.int32).at[:, 0].set(first)
   done = is_eos(first, shape.eos_id) | (max_new == 1)
@@ -161,7 +162,7 @@ def generate(model: contracts.Model, shape: DecodeShape, params, prompt_tokens: 
 
   def body(state):
     i, out, num, done, cache, rng, records = state
-    rng, draw_rng = jax.random.split(rng)
+    rng, draw_rng = sampling.split(rng)
     last = out[:, i - 1]
     pos = (prompt_lengths + i - 1).astype(jnp.int32)[:, None]
     logits, hidden, cache = step(last[:, None], pos, cache)

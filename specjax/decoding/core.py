@@ -17,7 +17,9 @@ One iteration, per row (each step a method of `Loop`, which the timers call too)
 Random numbers: iteration i draws one [B, n] block of uniforms from fold_in(rng, i + 1): the
 drafter's first (a sampled chain: one per draft), then the rule's (chain rejection: one per draft
 and one for the residual; the walk: one per depth), so a numpy reference can replay the loop. The
-first new token uses fold_in(rng, 0).
+first new token uses fold_in(rng, 0). rng may also be one key per row ([B, 2]): row b then draws
+its n uniforms from fold_in(rng[b], i + 1), whatever batch it is in (generation gives each prompt
+its own key, sampling.prompt_key, so a resumed run draws what an uninterrupted one did).
 
 Conventions mirror `autoregressive.py`: right-padded prompts, the first token from the prefill
 logits, tokens[B, max_new_tokens] padded with pad_id, EOS kept and counted, rows finish independently
@@ -72,14 +74,15 @@ def validate_traced(temperature: float, top_p: float, lenience: float, lenient: 
 
 
 def first_token_uniform(rng: jax.Array, batch: int) -> jax.Array:
-  """[B] uniforms for the first new token, drawn from the prefill logits."""
-  return jax.random.uniform(jax.random.fold_in(rng, 0), (batch,))
+  """[B] uniforms for the first new token, drawn from the prefill logits (rng: one key, or one per
+  row: sampling.per_row)."""
+  return sampling.uniforms(sampling.fold_in(rng, 0), batch)
 
 
 def iteration_uniforms(rng: jax.Array, iteration: jax.Array | int, batch: int,
                        count: int) -> jax.Array:
   """[B, count]: every random number of loop iteration `iteration` (0-based), drafter's first."""
-  return jax.random.uniform(jax.random.fold_in(rng, iteration + 1), (batch, count))
+  return sampling.uniforms(sampling.fold_in(rng, iteration + 1), batch, (count,))
 
 
 @flax.struct.dataclass
@@ -299,7 +302,7 @@ def decode(target: contracts.Model, drafter: contracts.Drafter, config: DecodeCo
     target: the target contracts.Model; drafter: a contracts.Drafter; draft_params its params.
     prompt_tokens: [B, P] int32, right-padded; prompt_lengths: [B] int32, each >= 1 (an
       encoder-decoder target: the decoder start token, P = 1).
-    rng: a PRNG key; temperature, top_p, lenience: traced scalars (temperature 0 = greedy).
+    rng: a PRNG key, or one per row ([B, 2]); temperature, top_p, lenience: traced scalars (temperature 0 = greedy).
     source: the encoder input of an encoder-decoder target (and of a model draft of that family).
   Returns: SpecOutput (tokens[B, max_new_tokens], num_generated[B], call counts, SpecStats with
   gamma = the tree's depth).

@@ -17,14 +17,17 @@ Conventions:
 
 from __future__ import annotations
 
+import hashlib
+import math
+
 import jax
 import jax.numpy as jnp
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
   """Host-side range checks (traced values cannot raise inside jit); each error names the fix."""
-  if not temperature >= 0.0:  # also rejects NaN
-    raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+  if not 0.0 <= temperature < math.inf:  # also rejects NaN and infinity
+    raise ValueError(f"temperature must be >= 0 and finite (0 means greedy), got {temperature}")
   if int(top_k) != top_k or top_k < 0:
     raise ValueError(f"top_k must be a whole number >= 0 (0 disables top-k), got {top_k}")
   if not 0.0 < top_p <= 1.0:
@@ -86,8 +89,49 @@ def sample_with_uniform(uniform: jax.Array, probs: jax.Array) -> jax.Array:
 
 
 def sample(rng: jax.Array, probs: jax.Array) -> jax.Array:
-  """Draw one token per row: probs[..., V] -> ids[...] int32."""
+  """Draw one token per row: probs[..., V] -> ids[...] int32. rng: one key, or one key per row of
+  probs[B, V] (`per_row`)."""
+  if per_row(rng):
+    return sample_with_uniform(uniforms(rng, probs.shape[0], ()), probs)
   return sample_with_uniform(jax.random.uniform(rng, probs.shape[:-1]), probs)
+
+
+# ---- random keys: one per decode, or one per row (a prompt's own) ------------------------------------
+
+def prompt_key(rng: jax.Array, prompt_id: str) -> jax.Array:
+  """A prompt's own key: `rng` (the run's seed) folded with a stable 31-bit hash of the prompt's id,
+  so what a prompt draws depends on (seed, prompt id) alone, not on its batch or what ran before."""
+  digest = hashlib.sha256(str(prompt_id).encode("utf-8", "surrogatepass")).digest()
+  return jax.random.fold_in(rng, int.from_bytes(digest[:4], "big") >> 1)
+
+
+def per_row(rng: jax.Array) -> bool:
+  """Whether `rng` holds one key per row ([B, 2] raw keys, or [B] typed keys) rather than one key."""
+  typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+  return jnp.ndim(rng) == (1 if typed else 2)
+
+
+def fold_in(rng: jax.Array, data) -> jax.Array:
+  """jax.random.fold_in of one key, or of every row's key."""
+  if per_row(rng):
+    return jax.vmap(lambda key: jax.random.fold_in(key, data))(rng)
+  return jax.random.fold_in(rng, data)
+
+
+def split(rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """jax.random.split into two, of one key or of every row's key."""
+  if per_row(rng):
+    pairs = jax.vmap(jax.random.split)(rng)
+    return pairs[:, 0], pairs[:, 1]
+  first, second = jax.random.split(rng)
+  return first, second
+
+
+def uniforms(rng: jax.Array, batch: int, shape: tuple = ()) -> jax.Array:
+  """[batch, *shape] uniforms in [0, 1): from one key as one block, or row b's from row b's key."""
+  if per_row(rng):
+    return jax.vmap(lambda key: jax.random.uniform(key, shape))(rng)
+  return jax.random.uniform(rng, (batch, *shape))
 
 
 def top_ids(scores: jax.Array, width: int) -> jax.Array:

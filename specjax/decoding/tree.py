@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import re
 from typing import Sequence
 
@@ -47,20 +48,24 @@ class Tree:
   @classmethod
   def chain(cls, gamma: int) -> "Tree":
     """gamma candidates in a row: the chain as a tree."""
-    if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
-      raise ValueError(f"gamma (draft tokens per iteration) must be a whole number >= 1, got {gamma}")
-    return cls.spine(gamma, 1)
+    if isinstance(gamma, bool) or not _whole(gamma) or gamma < 1 or gamma > MAX_NODES:
+      raise ValueError(f"gamma (draft tokens per iteration) must be a whole number >= 1 and <= "
+                       f"{MAX_NODES} (the nodes one verification scores), got {gamma}")
+    return cls.spine(int(gamma), 1)
 
   @classmethod
   def spine(cls, depth: int, width: int) -> "Tree":
     """The top-1 chain of `depth` nodes, with width - 1 alternative siblings at every depth."""
     _check_positive(depth=depth, width=width)
+    _check_size(depth * width, f"spine:{depth}x{width}")
     return cls(tuple((0,) * d + (r,) for d in range(depth) for r in range(width)))
 
   @classmethod
   def full(cls, widths: Sequence[int]) -> "Tree":
     """Every node at depth d has widths[d] children (a Cartesian product of candidate ranks)."""
     _check_positive(**{f"width_{d}": w for d, w in enumerate(widths)})
+    _check_size(sum(np.prod(widths[:d + 1], dtype=object) for d in range(len(widths))),
+                "full:" + ",".join(map(str, widths)))
     return cls(tuple(p for d in range(1, len(widths) + 1)
                      for p in itertools.product(*[range(w) for w in widths[:d]])))
 
@@ -123,10 +128,29 @@ class Tree:
     return np.asarray([0] + [p[-1] for p in self.paths], np.int32)
 
 
+# The most candidate nodes one verification scores: a tree's paths are built on the host and every
+# node is a column of the target's call, so a larger one (gamma = 1e9) would exhaust memory long
+# before it could be useful. Far above any tree the papers or the configs use (tens of nodes).
+MAX_NODES = 1024
+
+
+def _whole(value) -> bool:
+  try:
+    return math.isfinite(float(value)) and int(value) == value
+  except (TypeError, ValueError, OverflowError):
+    return False
+
+
 def _check_positive(**values) -> None:
   for name, value in values.items():
-    if int(value) != value or value < 1:
+    if isinstance(value, bool) or not _whole(value) or value < 1:
       raise ValueError(f"tree {name} must be a whole number >= 1, got {value}")
+
+
+def _check_size(size, name: str) -> None:
+  if size > MAX_NODES:
+    raise ValueError(f"the tree {name} has {size} candidate nodes, more than the {MAX_NODES} one "
+                     "verification scores; use a smaller gamma, depth or width")
 
 
 # ----------------------------------------------------------------------------------------------------
