@@ -28,16 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from specjax import loading, metrics, models, specs, timing
+from specjax import loading, metrics, models, specs, timing, validation
 from specjax.data import prompts as prompt_sets
-from specjax.decoding import autoregressive, core
+from specjax.decoding import autoregressive, core, sampling
 from specjax.decoding.tree import Tree
 from specjax.drafters import registry
 
 # How a row is drawn and timed, in the spec (so in the fingerprint) of both sweeps: a directory whose
 # rows were measured another way is refused rather than resumed into one table with new rows. Change it
 # whenever a change to the keys or the timing would make old and new rows disagree.
-MEASUREMENT = ("each prompt its own key; baseline, decode and the loop's own parts (draft, verify, "
+MEASUREMENT = ("each prompt its own key from (seed, task, prompt id); baseline, decode and the loop's own parts (draft, verify, "
                "settle) timed in turn; both sides of a speedup by one method; loop fits refused "
                "beyond a standard error of 1/4")
 
@@ -54,25 +54,49 @@ class Prompt(NamedTuple):
   key: jax.Array
 
 
-def prompt_keys(rng: jax.Array, task: str, count: int) -> list[jax.Array]:
+def prompt_keys(rng: jax.Array, task: str, ids) -> list[jax.Array]:
   """One key per prompt of a task, folded from the sweep's seed with the task's name and the prompt's
-  index: with one key for all, every prompt drew from the same uniforms (their sampled acceptances
-  moved together, and one small first uniform drew SmolLM2's low-id EOS for every prompt at once)."""
+  id (sampling.prompt_key, as generation does): with one key for all, every prompt drew from the
+  same uniforms (their sampled acceptances moved together, and one small first uniform drew
+  SmolLM2's low-id EOS for every prompt at once); by id, a prompt draws the same whatever else ran."""
   task_key = jax.random.fold_in(rng, zlib.crc32(task.encode()) % (2 ** 31))
-  return [jax.random.fold_in(task_key, i) for i in range(count)]
+  return [sampling.prompt_key(task_key, key) for key in ids]
+
+
+# The longest prompt a sweep pads to (its prompts run at batch 1, one padded length per task).
+MAX_PROMPT_LENGTH = 1024
+
+
+def task_prompts(task: str, count: int, style: str) -> prompt_sets.PromptSet:
+  """The first `count` held-out prompts of a named set, or of a prompts file all of it counts (a
+  file is a test set of its own), refused when a run could not use them."""
+  split = "all" if task.endswith(".jsonl") else "heldout"
+  return prompt_sets.prompt_set_for_run(task, split, count, style, "the sweep's task")
+
+
+def check_tasks(target: loading.LoadedModel, prompts: dict, decode: specs.DecodeSpec,
+                largest_tree: int, names: str) -> None:
+  """Before a sweep writes anything: every prompt of every task tokenizes to 1..MAX_PROMPT_LENGTH
+  tokens (named by its id), and the largest decode fits this machine."""
+  for task, prompt_set in prompts.items():
+    encoded = [target.tokenizer.encode(text) for text in prompt_set.prompts]
+    validation.check_token_lists(encoded, prompt_set.keys, task, MAX_PROMPT_LENGTH)
+    width = 1 if target.encoder_decoder else min(-(-max(map(len, encoded)) // 32) * 32,
+                                                 MAX_PROMPT_LENGTH)
+    validation.check_decode_fits(target.model, target.config.vocab_size, 1, width,
+                                 decode.max_new_tokens, largest_tree, names)
 
 
 def heldout_prompts(target: loading.LoadedModel, task: str, count: int, style: str,
                     rng: jax.Array) -> list[Prompt]:
-  """The first `count` held-out prompts of a set as batch-1 inputs padded to one shared length (one
-  compiled program per task), each with its own key (`prompt_keys`)."""
-  # A prompts file is a test set of its own: all of it counts (the named sets keep their split).
-  split = "all" if task.endswith(".jsonl") else "heldout"
-  heldout = prompt_sets.load_prompt_set(task, split, limit=count, style=style)
-  batch = target.batch(heldout.prompts, bucket=32, max_length=1024)
+  """The first `count` held-out prompts of a set (`task_prompts`) as batch-1 inputs padded to one
+  shared length (one compiled program per task), each with its own key (`prompt_keys`)."""
+  heldout = task_prompts(task, count, style)
+  batch = target.batch_ids([target.tokenizer.encode(text) for text in heldout.prompts], bucket=32,
+                           max_length=MAX_PROMPT_LENGTH, names=heldout.keys)
   rows = lambda array, i: None if array is None else jax.tree_util.tree_map(lambda x: x[i:i + 1],
                                                                             array)
-  keys = prompt_keys(rng, task, len(heldout))
+  keys = prompt_keys(rng, task, heldout.keys)
   return [Prompt(batch.prompt_tokens[i:i + 1], batch.prompt_lengths[i:i + 1],
                  rows(batch.source, i), keys[i]) for i in range(len(heldout))]
 

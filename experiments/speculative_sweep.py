@@ -25,7 +25,7 @@ from absl import logging
 
 from experiments import measure, plots, tables
 from experiments import sweep as resumable
-from specjax import launch, loading, outputs, specs, theory, timing
+from specjax import launch, loading, outputs, specs, theory, timing, validation
 from specjax.data import prompts as prompt_sets
 from specjax.decoding import acceptance, core
 from specjax.decoding.tree import Tree
@@ -166,13 +166,23 @@ class Sweep:
   def __call__(self) -> list[dict]:
     grid, decode = self.grid, self.decode
     points = grid.points()  # validates the grid before anything is loaded or written
+    mesh_shape = validation.check_mesh_shape(self.mesh_shape, "Sweep.mesh_shape")
+    validation.whole_number(self.seed, "Sweep.seed", 0)
+    task_prompts = {task: measure.task_prompts(task, grid.prompts_per_task, self.prompts.style)
+                    for task in grid.tasks}
     spec = {"target": dataclasses.asdict(self.target), "prompts": dataclasses.asdict(self.prompts),
             "decode": dataclasses.asdict(decode), "mesh_shape": list(self.mesh_shape),
             "seed": self.seed, "sweep": dataclasses.asdict(grid),
             "measurement": measure.MEASUREMENT,
+            "prompt_digests": {task: validation.prompt_digest(prompt_set)
+                               for task, prompt_set in task_prompts.items()},
             "content_keys": loading.content_keys(self.target,
                                                  registry.checkpoints_of(grid.drafters))}
-    loaded, mesh = loading.load_target(self.target, self.mesh_shape)
+    loaded, mesh = loading.load_target(self.target, mesh_shape)
+    registry.check_vocabulary(grid.drafters, loaded.tokenizer, self.target.checkpoint)
+    measure.check_tasks(loaded, task_prompts, decode, max(grid.all_gammas()) + 1,
+                        f"DecodeSpec.max_new_tokens={decode.max_new_tokens}, SweepSpec.gammas="
+                        f"{tuple(grid.all_gammas())}")
     bench = []  # built on the first point to measure, so a rerun of a finished sweep costs nothing
 
     def measure_one(point):

@@ -29,7 +29,7 @@ from absl import logging
 
 from experiments import measure, tables
 from experiments import sweep as resumable
-from specjax import launch, loading, metrics, outputs, specs, theory
+from specjax import launch, loading, metrics, outputs, specs, theory, validation
 from specjax.data import prompts as prompt_sets
 from specjax.decoding import sampling
 from specjax.decoding.tree import Tree
@@ -144,14 +144,24 @@ class TreeSweep:
   def __call__(self) -> list[dict]:
     grid = self.grid
     points = grid.points()
+    validation.whole_number(self.seed, "TreeSweep.seed", 0)
+    task_prompts = {task: measure.task_prompts(task, grid.prompts_per_task, self.prompts.style)
+                    for task in grid.tasks}
     spec = {"target": dataclasses.asdict(self.target), "prompts": dataclasses.asdict(self.prompts),
             "decode": dataclasses.asdict(self.decode), "seed": self.seed,
             "sweep": dataclasses.asdict(grid), "measurement": measure.MEASUREMENT,
+            "prompt_digests": {task: validation.prompt_digest(prompt_set)
+                               for task, prompt_set in task_prompts.items()},
             "content_keys": loading.content_keys(self.target,
                                                  registry.checkpoints_of(grid.drafters))}
     loaded, _ = loading.load_target(self.target, (1, 1))
     for name in grid.drafters:  # refused before the run directory is made, not at the first point
       registry.check(name, loaded.config)
+    registry.check_vocabulary(grid.drafters, loaded.tokenizer, self.target.checkpoint)
+    measure.check_tasks(loaded, task_prompts, self.decode,
+                        max(Tree.from_name(t).size for t in grid.trees),
+                        f"DecodeSpec.max_new_tokens={self.decode.max_new_tokens}, "
+                        f"TreeSweepSpec.trees={tuple(grid.trees)}")
     bench = []
 
     def measure_one(point):

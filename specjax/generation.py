@@ -1,12 +1,15 @@
 """The generation job: decode a prompt set with the target, alone or speculatively, one row per prompt.
 
-`Generate` checks its inputs (prompt set, checkpoint, tokenizer, drafter) before it writes anything;
-then it holds its output directory (specjax.outputs.RunDirectory: one run at a time) and writes
+`Generate` checks its inputs (settings, prompt set and every prompt's tokens, checkpoint, tokenizer and
+vocabulary, drafter, whether the decode fits the machine) before it writes anything; then it holds its output directory (specjax.outputs.RunDirectory: one run at a time) and writes
 config.gin (the operative config), spec.json (the resolved specs and the content keys of the models)
 and environment.json, then generations.jsonl, one row per prompt written as its batch finishes (one
 writer: locked, torn tail cut and saved aside, duplicate keys refused), and summary.json. A directory
 that holds results of a different spec (weights changed behind the same path included) is refused,
-never mixed; rerunning the same spec resumes, skipping finished prompts.
+never mixed; the spec holds a digest of the prompts used, so a prompt file edited in place is a
+different spec too. Rerunning the same spec resumes, skipping finished prompts; each prompt draws from
+its own key (seed, prompt id) in a batch fixed by the prompt set, so a resumed sampled run writes
+the tokens an uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -22,12 +25,17 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from specjax import launch, loading, outputs, sharding
+from specjax import launch, loading, outputs, sharding, validation
 from specjax.data import prompts as prompt_sets
-from specjax.decoding import autoregressive, core
+from specjax.decoding import autoregressive, core, sampling
 from specjax.decoding.tree import Tree
 from specjax.drafters import registry
 from specjax.specs import DecodeSpec, ModelSpec, PromptSpec
+
+
+# How a prompt's random numbers are drawn, in the spec (so in the fingerprint): rows drawn another way
+# (one key per batch, before) are not resumed into one file with these.
+RANDOM_KEYS = "each prompt its own key: fold_in(PRNGKey(seed), hash of its id)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,19 +53,39 @@ class Generate:
 
   def __call__(self) -> dict:
     target, prompts, decode = self.target, self.prompts, self.decode
+    # Everything that can fail on bad input fails here, before the output directory is touched:
+    # the settings, the prompts (read, checked and tokenized: each refusal names the prompt's id),
+    # the checkpoint and its vocabulary, the drafter's, and whether the decode fits this machine.
+    mesh_shape = validation.check_mesh_shape(self.mesh_shape, "Generate.mesh_shape")
+    validation.whole_number(self.seed, "Generate.seed", 0)
+    tree = None
+    if self.drafter is not None:
+      registry.check(self.drafter)
+      tree = Tree.chain(self.gamma)  # refuses a gamma that is not a whole number in range
+    prompt_set = prompt_sets.prompt_set_for_run(prompts.name, prompts.split, prompts.limit,
+                                                prompts.style, "PromptSpec.name")
     spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),
             "decode": dataclasses.asdict(decode), "mesh_shape": list(self.mesh_shape),
             "seed": self.seed, "drafter": self.drafter,
-            "gamma": self.gamma if self.drafter is not None else None}
-    # Everything that can fail on bad input fails here, before the output directory is touched.
-    prompt_set = prompt_sets.load_prompt_set(prompts.name, prompts.split, prompts.limit,
-                                             prompts.style)
-    if self.drafter is not None:
-      Tree.chain(self.gamma)  # refuses a gamma that is not a whole number >= 1
+            "gamma": self.gamma if self.drafter is not None else None,
+            "prompt_digest": validation.prompt_digest(prompt_set), "random_keys": RANDOM_KEYS}
     spec["content_keys"] = loading.content_keys(target, registry.checkpoints_of(
         () if self.drafter is None else (self.drafter,)))
-    loaded, mesh = loading.load_target(target, self.mesh_shape)
+    loaded, mesh = loading.load_target(target, mesh_shape)
     tokenizer = loaded.tokenizer
+    if self.drafter is not None:
+      registry.check_vocabulary([self.drafter], tokenizer, target.checkpoint)
+    encoded = [tokenizer.encode(text) for text in prompt_set.prompts]
+    validation.check_token_lists(encoded, prompt_set.keys, prompt_set.name,
+                                 prompts.max_prompt_length)
+    longest = max(map(len, encoded))
+    width = 1 if loaded.encoder_decoder else min(-(-longest // prompts.bucket) * prompts.bucket,
+                                                 prompts.max_prompt_length)
+    validation.check_decode_fits(
+        loaded.model, loaded.config.vocab_size, min(prompts.batch_size, len(encoded)), width,
+        decode.max_new_tokens, 1 if tree is None else tree.size,
+        f"PromptSpec.batch_size={prompts.batch_size}, DecodeSpec.max_new_tokens="
+        f"{decode.max_new_tokens}" + ("" if tree is None else f", Generate.gamma={self.gamma}"))
     program, params, settings = self._program(loaded, mesh)
     rng = jax.random.PRNGKey(self.seed)
     compiled = {}  # per padded prompt shape: compile ahead of time, outside the timed region
@@ -66,14 +94,20 @@ class Generate:
          outputs.RowsFile(run_dir.results, run_dir.fingerprint, "spec_fingerprint",
                           unique_key="key") as rows:
       done = {row.get("key") for row in rows.existing}
-      todo = [i for i, key in enumerate(prompt_set.keys) if key not in done]
-      batches = [todo[i:i + prompts.batch_size] for i in range(0, len(todo), prompts.batch_size)]
+      # The batches are fixed by the prompt set (prompts 0..B-1, B..2B-1, ...), whatever ran before:
+      # a batch with a prompt left to do runs whole (its finished rows are not written again), so a
+      # resumed run decodes every prompt in the batch, with the key, it had in an uninterrupted one.
+      size = prompts.batch_size
+      batches = [list(range(i, min(i + size, len(prompt_set)))) for i in range(0, len(prompt_set),
+                                                                                 size)]
+      batches = [b for b in batches if any(prompt_set.keys[i] not in done for i in b)]
       for batch_index in tqdm(batches, desc="generate", unit="batch",
                               disable=jax.process_index() != 0):
-        batch = loaded.batch([prompt_set.prompts[i] for i in batch_index], prompts.bucket,
-                             prompts.max_prompt_length)
-        args = (*params, batch.prompt_tokens, batch.prompt_lengths,
-                jax.random.fold_in(rng, batch_index[0]), *settings, batch.source)
+        names = [prompt_set.keys[i] for i in batch_index]
+        batch = loaded.batch_ids([encoded[i] for i in batch_index], prompts.bucket,
+                                 prompts.max_prompt_length, names)
+        keys = np.stack([np.asarray(sampling.prompt_key(rng, name)) for name in names])
+        args = (*params, batch.prompt_tokens, batch.prompt_lengths, keys, *settings, batch.source)
         key = (batch.prompt_tokens.shape,
                None if batch.source is None else batch.source.tokens.shape)
         if key not in compiled:
@@ -84,6 +118,8 @@ class Generate:
         # Every process reads the whole batch (rows may live on another host's devices).
         tokens, generated = sharding.to_host(out.tokens), sharding.to_host(out.num_generated)
         for row, i in enumerate(batch_index):
+          if prompt_set.keys[i] in done:
+            continue
           new = tokens[row, :int(generated[row])].tolist()
           rows.append({"key": prompt_set.keys[i], "prompt_tokens": int(_input_lengths(batch)[row]),
                        "new_tokens": new, "text": tokenizer.decode(new, skip_special=True),

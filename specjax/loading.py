@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from absl import logging
 
-from specjax import assets, checkpoints, contracts, models, sharding
+from specjax import assets, checkpoints, contracts, models, sharding, validation
 from specjax.checkpoints import t5x
 from specjax.data import prompts
 from specjax.models import t5
@@ -59,11 +59,15 @@ class LoadedModel:
   def batch(self, texts: Sequence[str], bucket: int = 64,
             max_length: int | None = None) -> Batch:
     """Texts -> a Batch: token ids right-padded to a multiple of `bucket` (at most max_length)."""
-    ids = [self.tokenizer.encode(text) for text in texts]
-    tokens, lengths = prompts.make_batch(ids, self.tokenizer.pad_id, bucket, max_length)
+    return self.batch_ids([self.tokenizer.encode(text) for text in texts], bucket, max_length)
+
+  def batch_ids(self, ids: Sequence[Sequence[int]], bucket: int = 64,
+                max_length: int | None = None, names: Sequence[str] | None = None) -> Batch:
+    """Token ids (of `batch`'s texts) -> a Batch; names: the prompts' ids, for the messages."""
+    tokens, lengths = prompts.make_batch(ids, self.tokenizer.pad_id, bucket, max_length, names)
     if not self.encoder_decoder:
       return Batch(tokens, lengths)
-    prompt, prompt_lengths = t5.decoder_prompt(self.config, len(texts))
+    prompt, prompt_lengths = t5.decoder_prompt(self.config, len(ids))
     return Batch(np.asarray(prompt), np.asarray(prompt_lengths),
                  contracts.Source(tokens, lengths))
 
@@ -88,6 +92,11 @@ def load_model(checkpoint: str = EMBEDDED_SMOLLM2, vocabulary: str | None = None
   path = checkpoint_path(checkpoint)
   config, params = checkpoints.load(path)
   tokenizer = load_tokenizer(path, config, vocabulary)
+  if vocabulary is not None:  # the model's own vocabulary, where it ships one, must be this one
+    validation.check_same_vocabulary(
+        tokenizer, f"ModelSpec.vocabulary {vocabulary}", path, "the model",
+        "Leave ModelSpec.vocabulary None to read the checkpoint's own, or point it at the "
+        "vocabulary the model was trained with")
   if tokenizer.vocab_size > config.vocab_size:
     raise ValueError(f"the tokenizer of {checkpoint} has {tokenizer.vocab_size} tokens but the model "
                      f"only {config.vocab_size} logits: they do not belong together")

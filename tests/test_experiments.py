@@ -499,9 +499,9 @@ def test_every_prompt_of_a_sweep_gets_its_own_key():
   import jax
   rng = jax.random.PRNGKey(0)
   keys = [tuple(np.asarray(k).tolist()) for task in ("humaneval", "news")
-          for k in measure.prompt_keys(rng, task, 8)]
+          for k in measure.prompt_keys(rng, task, [f"p{i}" for i in range(8)])]
   assert len(set(keys)) == 16
-  again = [tuple(np.asarray(k).tolist()) for k in measure.prompt_keys(rng, "news", 8)]
+  again = [tuple(np.asarray(k).tolist()) for k in measure.prompt_keys(rng, "news", [f"p{i}" for i in range(8)])]
   assert again == keys[8:]
 
 
@@ -520,7 +520,7 @@ def test_sampled_runs_of_both_sweeps_draw_from_each_prompt_s_key(monkeypatch):
   params = decoder_only.init_params(config, jax.random.PRNGKey(3))
   target = loading.LoadedModel("tiny", config, params, SimpleNamespace(eos_id=1, pad_id=0),
                                models.model_for(config))
-  k0, k1 = measure.prompt_keys(jax.random.PRNGKey(0), "humaneval", 2)
+  k0, k1 = measure.prompt_keys(jax.random.PRNGKey(0), "humaneval", ["HumanEval/0", "HumanEval/1"])
   tokens = np.array([[5, 9, 17, 33, 65, 9, 17, 0]], np.int32)
   lengths = np.array([7], np.int32)
   prompts = [measure.Prompt(tokens, lengths, None, key) for key in (k0, k1, k0)]

@@ -25,7 +25,10 @@ Instructions: news "Summarize the following news article.\\n\\n<article>"; ende
 
 Any other name ending in `.jsonl` is a file of prompts, one JSON object per line with "id" and "text"
 (and optionally "reference"); its texts are used verbatim in every style (they are sources for an
-encoder-decoder model, prompts for a decoder-only one).
+encoder-decoder model, prompts for a decoder-only one). A file is a test set of its own, used whole:
+the held-out split below applies to the named sets only. Every line is checked when the file is
+read (UTF-8, a JSON object, a string id used once, a non-blank string text without lone surrogates),
+each refusal naming the file, the line and the id.
 
 Splits are deterministic and independent of the style and of the package's file order: an item is held
 out when a stable hash of its source text (the HumanEval prompt, the article, the English message),
@@ -44,7 +47,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specjax import assets
+from specjax import assets, validation
 from specjax.data import gettext
 from specjax.data.splits import is_heldout
 from specjax.tokenizer import render_chatml
@@ -155,25 +158,51 @@ def _instruction_prompt(name: str, text: str, style: str) -> str:
 
 
 def _jsonl_items(path: str) -> list[tuple[str, str, str | None]]:
-  """(id, text, reference) of every line of a prompts JSONL file, in file order."""
+  """(id, text, reference) of every line of a prompts JSONL file, in file order. Every line is
+  checked here, each refusal naming the file, the line and the prompt's id: not UTF-8, not a JSON
+  object with "id" and "text", an id twice, a text that is not a non-blank string of valid UTF-8
+  (validation.check_prompt_text), a reference that is not a string."""
   file = pathlib.Path(path).expanduser()
   if not file.is_file():
     raise FileNotFoundError(f"no prompts file {file}: a prompt set ending in .jsonl is a file with one "
                             '{"id": ..., "text": ...} object per line')
+  data = file.read_bytes()
+  try:
+    content = data.decode("utf-8")
+  except UnicodeDecodeError as error:
+    line = data[:error.start].count(b"\n") + 1
+    raise ValueError(f"{file}, line {line}: byte {error.start} ({data[error.start]:#04x}) is not "
+                     "UTF-8; save the file as UTF-8 (JSON text is UTF-8)") from None
   items, seen = [], set()
-  for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+  for number, line in enumerate(content.splitlines(), start=1):
     if not line.strip():
       continue
     try:
       row = json.loads(line)
-      key, text = str(row["id"]), row["text"]
+      key, text = row["id"], row["text"]
     except (ValueError, KeyError, TypeError) as error:
       raise ValueError(f"{file}, line {number}: expected a JSON object with \"id\" and \"text\" "
-                       f"({error})") from None
+                       f"({type(error).__name__}: {error})") from None
+    if isinstance(key, bool) or not isinstance(key, (str, int)) or not str(key).strip():
+      raise ValueError(f"{file}, line {number}: \"id\" {key!r} is not a non-empty string or "
+                       "integer; ids name results")
+    key = str(key)
+    where = f"{file}, line {number}, prompt {key!r}"
+    validation.check_prompt_text(key, f"{file}, line {number}, the id")
+    validation.check_prompt_text(text, where)
+    reference = row.get("reference")
+    if reference is not None:
+      if not isinstance(reference, str):
+        raise ValueError(f"{where}: \"reference\" is {type(reference).__name__}, not a string or "
+                         "null")
+      try:
+        reference.encode("utf-8")
+      except UnicodeEncodeError:
+        raise ValueError(f"{where}: the reference holds a lone surrogate; fix the escape") from None
     if key in seen:
       raise ValueError(f"{file}, line {number}: id {key!r} appears twice; ids name results")
     seen.add(key)
-    items.append((key, text, row.get("reference")))
+    items.append((key, text, reference))
   return items
 
 
@@ -207,7 +236,9 @@ def load_prompt_set(name: str, split: str = "all", limit: int | None = None,
   """The prompt set `name` ('humaneval' | 'news' | 'ende' | a prompts .jsonl file), restricted to a
   split.
 
-  split: 'all', 'train' (not held out) or 'heldout' (see `is_heldout`).
+  split: 'all', 'train' (not held out) or 'heldout' (see `is_heldout`), for the named sets. A
+    prompts .jsonl file is a test set of its own and is never split: 'all' and 'heldout' both take
+    the whole file ('train' is refused: none of it is set aside for training).
   limit: keep the first `limit` prompts of the split (order is fixed: file order).
   style: 'chat' | 'plain' | 't5' for news and ende (module docstring); HumanEval is raw code always.
   Raises MissingAssetError (with the pip command) if the package holding the data is not installed.
@@ -219,7 +250,11 @@ def load_prompt_set(name: str, split: str = "all", limit: int | None = None,
   if limit is not None and limit < 0:
     raise ValueError(f"limit must be >= 0 or None, got {limit}")
   items = _items(name)
-  if split != "all":
+  if name.endswith(".jsonl"):
+    if split == "train":
+      raise ValueError(f"split 'train' of the prompts file {name}: a prompts file is not split (it "
+                       "is a test set of its own, used whole); use split 'all' or 'heldout'")
+  elif split != "all":
     items = [item for item in items if is_heldout(item[1]) == (split == "heldout")]
   items = items[:limit] if limit is not None else items
   if name == "humaneval" or name.endswith(".jsonl"):
@@ -232,17 +267,29 @@ def load_prompt_set(name: str, split: str = "all", limit: int | None = None,
                    description=DESCRIPTIONS.get(name, f"prompts from {name}"))
 
 
+def prompt_set_for_run(name: str, split: str, limit: int | None, style: str,
+                       what: str = "the prompt set") -> PromptSet:
+  """`load_prompt_set`, refused when a run could not use it (validation.check_prompt_set): no
+  prompts at all, or a prompt that is not a non-blank string of valid UTF-8. `what` names the
+  setting in the message."""
+  prompt_set = load_prompt_set(name, split, limit, style)
+  validation.check_prompt_set(prompt_set, f"{what} {name!r} (split {split!r}, limit {limit})")
+  return prompt_set
+
+
 # ---- batching ---------------------------------------------------------------------------------------
 
 def make_batch(token_lists: Sequence[Sequence[int]], pad_id: int, bucket: int = 64,
-               max_prompt_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+               max_prompt_length: int | None = None,
+               names: Sequence[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
   """Right-pad prompts into one array: -> (tokens[B, P] int32, lengths[B] int32).
 
   Row b holds prompt b in tokens[b, :lengths[b]] and pad_id after it. P is the longest prompt rounded
   up to a multiple of `bucket`, so batches of similar lengths share a shape and a compiled program
   (P is static). With max_prompt_length, P never exceeds it (the cache is sized for it), and a longer
   prompt raises. Right padding keeps every row's prompt at positions 0..length-1, so RoPE positions
-  need no offset; the decoding loop starts each row at its own length.
+  need no offset; the decoding loop starts each row at its own length. names: the prompts' ids, for
+  the messages (else their rows).
   """
   if pad_id is None:
     raise ValueError("pad_id is None: this tokenizer names no padding token; pass e.g. its eos_id")
@@ -251,12 +298,13 @@ def make_batch(token_lists: Sequence[Sequence[int]], pad_id: int, bucket: int = 
   if len(token_lists) == 0:
     raise ValueError("make_batch needs at least one prompt")
   lengths = np.array([len(t) for t in token_lists], dtype=np.int32)
-  for row, length in enumerate(lengths):
+  names = [f"{row}" for row in range(len(token_lists))] if names is None else names
+  for name, length in zip(names, lengths):
     if length == 0:
-      raise ValueError(f"prompt {row} is empty (it tokenizes to no tokens); drop it or give it text")
+      raise ValueError(f"prompt {name} is empty (it tokenizes to no tokens); drop it or give it text")
     if max_prompt_length is not None and length > max_prompt_length:
       raise ValueError(
-          f"prompt {row} has {length} tokens, more than max_prompt_length={max_prompt_length}; "
+          f"prompt {name} has {length} tokens, more than max_prompt_length={max_prompt_length}; "
           f"raise max_prompt_length to at least {length}, or truncate or drop the prompt")
   width = -(-int(lengths.max()) // bucket) * bucket
   if max_prompt_length is not None:
