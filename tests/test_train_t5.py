@@ -128,10 +128,12 @@ def test_bad_input_is_refused_with_the_fix(tmp_path, vocabulary_path):
   with pytest.raises(ValueError, match=r"not the T5 this config fine-tunes: embed_dim 32 \(asked 512"):
     seq2seq.train(output_dir=str(tmp_path / "b"), task=_task(vocabulary_path),
                 model=seq2seq.T5Shape(size="t5.1.1-small"), training=SPEC, init_checkpoint=base)
-  # A vocabulary with more ids than the model has logits.
+  # Another vocabulary (here one with more ids than the model has logits), refused up front by the
+  # check every path shares (validation.check_same_vocabulary).
   bigger = tmp_path / "bigger.model"
   vocabularies.train(gettext.texts_for_vocabulary("gettext_ende"), bigger, 600)
-  with pytest.raises(ValueError, match="600 ids .* but the model has only 400 logits"):
+  with pytest.raises(ValueError, match=r"init_checkpoint .* was trained with another vocabulary "
+                                       r"\(.*400 pieces\) than TaskSpec.vocabulary .*600 pieces"):
     _train(tmp_path / "c", vocabulary_path, task=_task(str(bigger)), init_checkpoint=base)
   with pytest.raises(FileNotFoundError, match="no SentencePiece model"):
     _train(tmp_path / "d", vocabulary_path, task=_task(str(tmp_path / "missing.model")))

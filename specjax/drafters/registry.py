@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from specjax import contracts
+from specjax import contracts, validation
 from specjax.decoding.tree import Tree
 from specjax.drafters import expansion, heads, lookup, model, mtp, tables
 
@@ -148,6 +148,18 @@ def check(spec: DrafterSpec | str, target_config=None) -> DrafterSpec:
                      "model draft's top-k instead, e.g. model:out/t5_gettext/draft_large/hf "
                      "(configs/t5_gettext/trees.gin)")
   return spec
+
+
+def check_vocabulary(names, tokenizer, target_name: str) -> None:
+  """Refuse a model draft whose checkpoint ships another vocabulary than the target's `tokenizer`
+  (the same size is not enough: validation.check_same_vocabulary), before anything runs."""
+  for name in names:
+    spec = check(name)
+    if spec.kind == "model":
+      validation.check_same_vocabulary(
+          tokenizer, f"the target {target_name}", spec.checkpoint, f"the draft {name!r}",
+          "Speculative decoding needs one vocabulary: pick or train a draft with the target's "
+          "tokenizer (configs/smollm2_draft.gin distils one)")
 
 
 def checkpoints_of(names) -> dict[str, str]:

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from specjax import checkpoints, contracts, launch, models, outputs, sharding
+from specjax import checkpoints, contracts, launch, models, outputs, sharding, validation
 from specjax.decoding import autoregressive
 from specjax.data import prompts, gettext
 from specjax import vocabulary as vocabularies
@@ -237,6 +237,7 @@ def train(output_dir: str = "out/t5_gettext/target", task: TaskSpec = TaskSpec()
   if task.vocabulary is not None and not remote and not pathlib.Path(task.vocabulary).is_file():
     raise FileNotFoundError(f"no SentencePiece model at {task.vocabulary}; give TaskSpec.vocabulary "
                             "an existing file, or None to train one on the task's training text")
+  _check_vocabularies(task, init_checkpoint, teacher)
   spec = {"task": dataclasses.asdict(task), "model": dataclasses.asdict(model),
           "training": dataclasses.asdict(training), "init_checkpoint": init_checkpoint, "seed": seed,
           "mesh_shape": list(mesh_shape),
@@ -247,11 +248,36 @@ def train(output_dir: str = "out/t5_gettext/target", task: TaskSpec = TaskSpec()
   if teacher is not None:  # absent otherwise, so models trained before distillation existed resume
     spec |= {"teacher": teacher, "teacher_weight": teacher_weight}
   with outputs.RunDirectory(output_dir, spec, "train_log.jsonl", "spec_fingerprint",
-                            launch.operative_config(), other_results=("checkpoints", "hf", "t5x")) as run_dir, \
+                            launch.operative_config(), other_results=("checkpoints", "hf", "t5x"),
+                            fingerprinted=("checkpoints",)) as run_dir, \
        outputs.RowsFile(run_dir.results, run_dir.fingerprint, "spec_fingerprint",
                         unique_key="step") as loss_log:
     return _train(run_dir.path, loss_log, task, model, training, init_checkpoint, seed,
                   sharding.make_mesh(*mesh_shape), stop_after_step, teacher, teacher_weight)
+
+
+def _check_vocabularies(task: TaskSpec, init_checkpoint: str | None, teacher: str | None) -> None:
+  """Before anything is written: the checkpoint to fine-tune and the teacher must speak the task's
+  vocabulary (validation.check_same_vocabulary, the check every path shares). A checkpoint that
+  ships a vocabulary cannot be fine-tuned with one trained here (TaskSpec.vocabulary None); the
+  teacher is checked against a trained vocabulary when it exists (seq2seq_steps.load_teacher)."""
+  local = task.vocabulary is not None and "://" not in task.vocabulary
+  expected = (vocabularies.SentencePieceVocabulary.from_file(task.vocabulary, task.extra_ids)
+              if local else None)
+  for role, checkpoint in (("init_checkpoint", init_checkpoint), ("the teacher", teacher)):
+    if checkpoint is None or "://" in checkpoint:
+      continue
+    shipped = validation.shipped_vocabulary(checkpoint)
+    if shipped is None:
+      continue
+    fix = f"set TaskSpec.vocabulary to {shipped[1]}, the vocabulary {role} was trained with"
+    if expected is not None:
+      validation.check_same_vocabulary(expected, f"TaskSpec.vocabulary {task.vocabulary}",
+                                       checkpoint, role, fix)
+    elif task.vocabulary is None and role == "init_checkpoint":
+      raise ValueError(f"init_checkpoint {checkpoint} ships its vocabulary ({shipped[1]}) but "
+                       "TaskSpec.vocabulary is None, which trains another one on the task's text: "
+                       f"its ids would mean other pieces to the checkpoint; {fix}")
 
 
 def _train(output_dir: pathlib.Path, loss_log, task: TaskSpec, shape: T5Shape, training: TrainSpec,

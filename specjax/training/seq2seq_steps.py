@@ -6,7 +6,6 @@ steps (`Trainer`, which `training.fit` drives), and T5's own initialisation.
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,8 @@ import numpy as np
 import optax
 from flax import traverse_util
 
-from specjax import checkpoints, contracts
+from specjax import checkpoints, contracts, validation
+from specjax import vocabulary as vocabularies
 from specjax.checkpoints import t5_layout
 from specjax.models import t5
 from specjax.training.trainer import TrainSpec, make_optimizer, make_train_step, per_position
@@ -53,12 +53,12 @@ def load_teacher(path: str, weight: float, config: t5.T5Config, vocab_path) -> T
   teacher_config, params = checkpoints.load(path)
   if not isinstance(teacher_config, t5.T5Config):
     raise ValueError(f"the teacher {path} is a decoder-only checkpoint; a T5 draft distils from a T5")
-  shipped = pathlib.Path(path) / "spiece.model"
-  if teacher_config.vocab_size != config.vocab_size or (
-      shipped.is_file() and shipped.read_bytes() != pathlib.Path(vocab_path).read_bytes()):
+  fix = "set TaskSpec.vocabulary to the teacher's spiece.model"
+  if teacher_config.vocab_size != config.vocab_size:
     raise ValueError(f"the teacher {path} has another vocabulary ({teacher_config.vocab_size} ids) "
-                     f"than the model trained here ({config.vocab_size} ids, {vocab_path}): set "
-                     "TaskSpec.vocabulary to the teacher's spiece.model")
+                     f"than the model trained here ({config.vocab_size} ids, {vocab_path}): {fix}")
+  validation.check_same_vocabulary(vocabularies.SentencePieceVocabulary.from_file(vocab_path),
+                                   str(vocab_path), path, "the teacher", fix)
   return Teacher(teacher_config, jax.device_get(params), weight)
 
 
