@@ -41,6 +41,8 @@ from absl import logging
 # 16 hex digits = 64 bits: collisions among a few thousand items are out of reach, ids stay readable.
 _ID_HEX = 16
 SPEC_FILE = "spec.json"
+# Written into a results directory (training checkpoints) with the fingerprint of the config writing it.
+FINGERPRINT_FILE = ".spec_fingerprint"
 
 
 def _normalize(value: Any, hashing: bool) -> Any:
@@ -198,11 +200,15 @@ class RunDirectory(_Held):
   environment.json and config.gin are (re)written: a directory whose results are all this spec's, or
   that has none, takes this spec, whatever metadata a failed start or a deleted spec.json left.
   `other_results`: more paths that count as results (training checkpoints): when they exist and no
-  rows decide, spec.json must equal this spec.
+  rows decide, spec.json must equal this spec. `fingerprinted`: directories among them that carry
+  the fingerprint of the config that writes them (FINGERPRINT_FILE, created here): one holding
+  results of another fingerprint is refused even when spec.json and the rows are gone, so another
+  config never resumes from a training run's checkpoints.
   """
 
   def __init__(self, output_dir: str | os.PathLike, spec: dict, results: str, fingerprint_key: str,
-               config_text: str | None = None, other_results: tuple = ()):
+               config_text: str | None = None, other_results: tuple = (),
+               fingerprinted: tuple = ()):
     self.path = Path(output_dir)
     self.spec = json.loads(json.dumps(spec))  # tuples -> lists, as a reread spec.json has them
     self.fingerprint = digest(without_none(self.spec))
@@ -210,6 +216,7 @@ class RunDirectory(_Held):
     self.fingerprint_key = fingerprint_key
     self.config_text = config_text
     self.other_results = [self.path / name for name in other_results]
+    self.fingerprinted = [self.path / name for name in fingerprinted]
     super().__init__()
 
   def _open(self) -> None:
@@ -219,12 +226,24 @@ class RunDirectory(_Held):
     self.path.mkdir(parents=True, exist_ok=True)
     self._stack.enter_context(_exclusive(self.path / ".run", what=f"the output directory {self.path}"))
     self._check()
+    for directory in self.fingerprinted:
+      directory.mkdir(parents=True, exist_ok=True)
+      (directory / FINGERPRINT_FILE).write_text(self.fingerprint + "\n")
     (self.path / SPEC_FILE).write_text(json.dumps(self.spec, indent=2, sort_keys=True) + "\n")
     (self.path / "environment.json").write_text(json.dumps(environment(), indent=2) + "\n")
     if self.config_text is not None:
       (self.path / "config.gin").write_text(self.config_text)
 
   def _check(self) -> None:
+    for directory in self.fingerprinted:
+      stamp = directory / FINGERPRINT_FILE
+      theirs = stamp.read_text().strip() if stamp.is_file() else None
+      if theirs not in (None, self.fingerprint) and _holds_results(directory):
+        raise ValueError(f"{directory} holds results of another config (its {FINGERPRINT_FILE} "
+                         f"says {theirs}; this run's fingerprint is {self.fingerprint}), so this "
+                         "run would resume from them. Nothing was written. Rerun with the config "
+                         f"that wrote them (config.gin may still say), or give this run another "
+                         f"output_dir, or move {directory} away.")
     spec_path = self.path / SPEC_FILE
     stored = _read_spec(spec_path)
     rows = read_rows(self.results)
@@ -244,13 +263,18 @@ class RunDirectory(_Held):
                        f"config, give it another output_dir or move {self.results} away.")
     if rows or stored is None or without_none(stored) == without_none(self.spec):
       return
-    if any(p.exists() and any(p.iterdir()) for p in self.other_results if p.is_dir()):
+    if any(_holds_results(p) for p in self.other_results if p.is_dir()):
       raise ValueError(f"{self.path} holds results ({', '.join(str(p) for p in self.other_results)}) "
                        "of a config that differs from this run in:\n  " + "\n  ".join(
                            differences(without_none(stored), without_none(self.spec))) +
                        "\nNothing was written. Rerun with the config that wrote them (its "
                        "config.gin is there), or give this run another output_dir.")
     logging.info("%s: replacing the spec.json of a run that left no results", self.path)
+
+
+def _holds_results(directory: Path) -> bool:
+  """Whether a results directory holds anything but its fingerprint file."""
+  return directory.is_dir() and any(p.name != FINGERPRINT_FILE for p in directory.iterdir())
 
 
 # ---- result rows ------------------------------------------------------------------------------------

@@ -40,9 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from specjax import checkpoints, launch, loading, outputs, specs
+from specjax import checkpoints, launch, loading, outputs, specs, validation
 from specjax.checkpoints import hf
 from specjax.models import decoder_only
+from specjax.training import teacher as teacher_data
 from specjax.training.teacher import Sequences, TeacherSpec, load_teacher_data, split_validation
 from specjax.training.trainer import (TrainSpec, fit, loss_logger, make_optimizer, make_train_step,
                               per_position)
@@ -231,13 +232,21 @@ def train(output_dir: str = "out/smollm2_draft", target=None, draft: DraftShape 
   target = target or specs.ModelSpec()
   spec = {"target": dataclasses.asdict(target), "draft": dataclasses.asdict(draft),
           "teacher": dataclasses.asdict(teacher), "training": dataclasses.asdict(training),
-          "init_from": init_from, "seed": seed, "content_keys": loading.content_keys(target)}
+          "init_from": init_from, "seed": seed, "content_keys": loading.content_keys(target),
+          "prompt_digests": teacher_data.prompt_digests(teacher)}
   if init_from:
     spec["content_keys"]["init_from"] = checkpoints.content_key(init_from)
+    if target.vocabulary is None:  # the draft to start from must speak the target's vocabulary
+      shipped = validation.shipped_vocabulary(loading.checkpoint_path(target.checkpoint))
+      if shipped is not None:
+        validation.check_same_vocabulary(
+            shipped[0], f"the target {target.checkpoint}", init_from, "init_from",
+            "start from a draft that shares the target's tokenizer, or from DraftShape")
   # The directory is held for the whole run (one run at a time); its results are the loss log (one
   # row per 10 steps, which also keeps the whole curve across resumes), the checkpoints and hf/.
   with outputs.RunDirectory(output_dir, spec, "train_log.jsonl", "spec_fingerprint",
-                            launch.operative_config(), other_results=("checkpoints", "hf")) as run_dir, \
+                            launch.operative_config(), other_results=("checkpoints", "hf"),
+                            fingerprinted=("checkpoints",)) as run_dir, \
        outputs.RowsFile(run_dir.results, run_dir.fingerprint, "spec_fingerprint",
                         unique_key="step") as loss_log:
     return _train(run_dir.path, loss_log, spec, target, draft, teacher, training, init_from, seed,

@@ -46,6 +46,7 @@ from tqdm import tqdm
 from specjax import assets, contracts, launch, loading, outputs, specs
 from specjax.drafters import heads, mtp
 from specjax.models import decoder_only
+from specjax.training import teacher as teacher_data
 from specjax.training.teacher import Sequences, TeacherSpec, load_teacher_data, split_validation
 from specjax.training.draft_model import choose_head_tokens, head_index_map
 from specjax.training.trainer import TrainSpec, fit, loss_logger, make_optimizer, make_train_step
@@ -285,9 +286,11 @@ def train(output_dir: str = "out/smollm2_heads", target=None, heads_spec: HeadsS
   target = target or specs.ModelSpec()
   spec = {"target": dataclasses.asdict(target), "heads": dataclasses.asdict(heads_spec),
           "teacher": dataclasses.asdict(teacher), "training": dataclasses.asdict(training),
-          "seed": seed, "content_keys": loading.content_keys(target)}
+          "seed": seed, "content_keys": loading.content_keys(target),
+          "prompt_digests": teacher_data.prompt_digests(teacher)}
   with outputs.RunDirectory(output_dir, spec, "train_log.jsonl", "spec_fingerprint",
-                            launch.operative_config(), other_results=("checkpoints", "heads")) as run_dir, \
+                            launch.operative_config(), other_results=("checkpoints", "heads"),
+                            fingerprinted=("checkpoints",)) as run_dir, \
        outputs.RowsFile(run_dir.results, run_dir.fingerprint, "spec_fingerprint",
                         unique_key="step") as loss_log:
     summary_path = run_dir.path / "summary.json"

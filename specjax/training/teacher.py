@@ -25,7 +25,7 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from specjax import assets, contracts, loading
+from specjax import assets, contracts, loading, validation
 from specjax.decoding import autoregressive
 from specjax.data import prompts
 
@@ -132,11 +132,24 @@ def stable_hash(text: str) -> int:
   return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
+def task_prompts(spec: TeacherSpec, task: str) -> prompts.PromptSet:
+  """The prompts the target continues for one task: its train split, the first prompts_per_task."""
+  index = spec.tasks.index(task)
+  return prompts.prompt_set_for_run(task, "train", spec.prompts_per_task[index] or None, spec.style,
+                                    "TeacherSpec.tasks")
+
+
+def prompt_digests(spec: TeacherSpec) -> dict:
+  """{task: validation.prompt_digest of the prompts used}: in the trainers' specs and the teacher
+  data's cache keys, so prompts that change (another package version) are another run."""
+  return {task: validation.prompt_digest(task_prompts(spec, task)) for task in spec.tasks}
+
+
 def teacher_sequences(target: loading.LoadedModel, task: str, spec: TeacherSpec,
                       seed: int) -> Sequences:
   """The target's continuations of one prompt set's train split, with its top-k everywhere."""
   index = spec.tasks.index(task)
-  prompt_set = prompts.load_prompt_set(task, "train", spec.prompts_per_task[index] or None, spec.style)
+  prompt_set = task_prompts(spec, task)
   tokenizer = target.tokenizer
   encoded = [tokenizer.encode(p) for p in prompt_set.prompts]
   kept = [i for i, ids in enumerate(encoded) if len(ids) <= spec.max_prompt_tokens]
@@ -215,12 +228,12 @@ def load_teacher_data(target_key: dict, target: loading.LoadedModel, spec: Teach
 
   target_key: what names the target (the model spec as a dict; fields at None are left out, so a
   field added later at its None default keeps earlier caches valid)."""
-  parts = []
+  parts, digests = [], prompt_digests(spec)
   for task in spec.tasks:
     key = json.dumps({"target": {k: v for k, v in target_key.items() if v is not None},
                       "config": dataclasses.asdict(target.config),
                       "teacher": dataclasses.asdict(spec), "task": task, "seed": seed,
-                      "format": 1}, sort_keys=True)
+                      "prompt_digest": digests[task], "format": 1}, sort_keys=True)
     path = (assets.cache_dir() / "teacher"
             / f"{task}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz")
     if path.exists():
