@@ -34,7 +34,7 @@ def load(path):
   if path.is_file() and path.suffix == ".gguf":
     return gguf.load(path)
   if path.is_dir() and (path / "config.json").is_file():
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    model_type = hf.read_config(path).get("model_type")
     return hf_t5.load(path) if model_type in _T5_MODEL_TYPES else hf.load(path)
   if path.is_dir() and t5x.is_checkpoint(path):
     return t5x.load(path)
@@ -60,7 +60,7 @@ def read_config(path):
       return hf_t5.config_from_hf(config)
     decoder = hf.config_from_hf(config)
     if (path / hf.HEAD_TOKENS_FILE).is_file():
-      head = json.loads((path / hf.HEAD_TOKENS_FILE).read_text())
+      head = hf.read_json(path / hf.HEAD_TOKENS_FILE)
       decoder = dataclasses.replace(decoder, head_size=len(head))
     return decoder
   return load(path)[0]
@@ -74,8 +74,8 @@ _REMOTE_KEY_FILES = ("checkpoint", "_METADATA", "_CHECKPOINT_METADATA", "manifes
 
 def content_key(path) -> str:
   """A digest of what a checkpoint holds: sha256 over every file of a local file or directory
-  (hidden files left out), cached per file by (path, size, mtime) under $SPECJAX_CACHE, so a 500 MB
-  model costs about a second once and nothing after; for a URL (gs://...), a digest of its metadata
+  (hidden files left out), cached per file by (path, size, mtime, ctime, inode) under
+  $SPECJAX_CACHE, so a 500 MB model costs about a second once and nothing after; for a URL (gs://...), a digest of its metadata
   files (`_REMOTE_KEY_FILES`)."""
   text = str(path)
   if "://" in text:
@@ -106,8 +106,12 @@ def _digest(pairs) -> str:
 
 def _file_sha256(path: pathlib.Path) -> str:
   stat = path.stat()
+  # The memo is keyed by what changes when the bytes can have changed: size, modification time and
+  # the inode's change time and number. A file swapped in with its old size and a forged mtime
+  # (touch -d) still has a new ctime (which no user call sets back) or inode, so it is hashed again.
   memo_key = hashlib.sha1(
-      f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+      f"v2:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}:{stat.st_ino}"
+      .encode()).hexdigest()
   memo = assets.cache_dir() / "content_keys" / memo_key
   if memo.is_file():
     return memo.read_text().strip()

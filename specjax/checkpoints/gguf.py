@@ -5,7 +5,8 @@ rows permuted for its interleaved RoPE; we undo the permutation and use rotate-h
 Face, so one model serves both formats. No `output.weight` means the LM head is tied to token_embd.
 
 Dequantizing SmolLM2-135M takes a few seconds; the float32 result is cached as .npy files under
-$SPECJAX_CACHE (default ~/.cache/specjax), keyed by the file's size and modification time.
+$SPECJAX_CACHE (default ~/.cache/specjax), keyed by the file's size, modification and change times and
+inode; a cache entry that does not load is removed and the file dequantized again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pathlib
 
 import gguf
 import numpy as np
+from absl import logging
 from flax import traverse_util
 
 from specjax import assets
@@ -145,14 +147,24 @@ def load(path, use_cache: bool = True):
   if not path.is_file():
     raise FileNotFoundError(f"no GGUF file at {path}")
   stat = path.stat()
-  key = hashlib.sha1(f"v3:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+  # Keyed as content keys' memo is (checkpoints.content_key): a file swapped in with its old size
+  # and a forged mtime has another ctime or inode, so it is dequantized again.
+  key = hashlib.sha1(f"v4:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}:"
+                     f"{stat.st_ino}".encode()).hexdigest()[:16]
   cached = assets.cache_dir() / "gguf" / f"{path.stem}-{key}.npz"
   if use_cache and cached.is_file():
     # Parsing the GGUF metadata alone takes seconds (49k vocabulary strings), so the config is cached too.
-    with np.load(cached) as data:
-      flat = dict(data)
-    cfg = DecoderConfig(**json.loads(str(flat.pop(_CONFIG_KEY))))
-    return cfg, traverse_util.unflatten_dict(flat, sep="/")
+    try:
+      with np.load(cached) as data:
+        flat = dict(data)
+      cfg = DecoderConfig(**json.loads(str(flat.pop(_CONFIG_KEY))))
+      return cfg, traverse_util.unflatten_dict(flat, sep="/")
+    except Exception as error:  # pylint: disable=broad-except  # BadZipFile, EOFError, KeyError, ...
+      # A cache entry is only ever a copy: a corrupt one (a disk error, a copy cut short) is
+      # dropped and the GGUF dequantized again.
+      logging.warning("the dequantized cache %s of %s does not load (%s: %s); removing it and "
+                      "dequantizing again", cached, path, type(error).__name__, error)
+      cached.unlink(missing_ok=True)
   reader = open_reader(path)
   cfg = read_config(reader)
   params = llama_layout.params_from_hf_tensors(_hf_tensors(reader, cfg).get, cfg)

@@ -55,7 +55,7 @@ def read_safetensors(directory: pathlib.Path) -> tuple[dict[str, np.ndarray], st
   the files read, for messages)."""
   index = directory / "model.safetensors.index.json"
   if index.is_file():
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    files = sorted(set(read_json(index)["weight_map"].values()))
   elif (directory / "model.safetensors").is_file():
     files = ["model.safetensors"]
   else:
@@ -64,8 +64,26 @@ def read_safetensors(directory: pathlib.Path) -> tuple[dict[str, np.ndarray], st
                      "are not read; convert them to safetensors)")
   tensors = {}
   for name in files:
-    tensors.update(load_file(str(directory / name)))
+    try:
+      tensors.update(load_file(str(directory / name)))
+    except FileNotFoundError:
+      raise FileNotFoundError(f"{directory / name} is missing (named by {index}); copy the "
+                              "checkpoint's every shard there") from None
+    except Exception as error:  # pylint: disable=broad-except  # safetensors' SafetensorError, OSError
+      raise ValueError(f"{directory / name} is truncated or corrupt ({type(error).__name__}: "
+                       f"{error}); copy or download the checkpoint again, or export it again "
+                       "(checkpoints.hf.save)") from None
   return tensors, ", ".join(str(directory / name) for name in files)
+
+
+def read_json(path: pathlib.Path):
+  """A checkpoint's JSON file, or ValueError naming the file and the fix when it does not parse."""
+  try:
+    return json.loads(path.read_text(encoding="utf-8"))
+  except (ValueError, UnicodeDecodeError) as error:
+    raise ValueError(f"{path} is not valid JSON ({error}): the file is truncated or was edited; "
+                     "restore it from the checkpoint's source (or export the checkpoint again)"
+                     ) from None
 
 
 def read_config(directory: pathlib.Path) -> dict:
@@ -74,7 +92,7 @@ def read_config(directory: pathlib.Path) -> dict:
   if not config_path.is_file():
     raise ValueError(f"unknown checkpoint layout at {directory}: no config.json (expected a Hugging "
                      "Face model directory, a .gguf file, or a T5X checkpoint)")
-  return json.loads(config_path.read_text())
+  return read_json(config_path)
 
 
 def load(directory):
@@ -86,7 +104,7 @@ def load(directory):
     tensors.pop("lm_head.weight")  # some exporters store the tied head twice
   head_tokens = None
   if (directory / HEAD_TOKENS_FILE).is_file():
-    head_tokens = np.asarray(json.loads((directory / HEAD_TOKENS_FILE).read_text()), np.int32)
+    head_tokens = np.asarray(read_json(directory / HEAD_TOKENS_FILE), np.int32)
     cfg = dataclasses.replace(cfg, head_size=len(head_tokens))
   return cfg, llama_layout.params_from_hf_tensors(
       lambda key: None if key not in tensors else tensors[key].astype(np.float32), cfg,
