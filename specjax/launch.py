@@ -15,7 +15,7 @@ from typing import Callable
 import jax
 from absl import app, flags, logging
 
-from specjax import assets
+from specjax import assets, validation
 
 _operative_config: Callable[[], str] = lambda: ""
 
@@ -58,12 +58,21 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
   Neither: a single process (returns False). Then every process runs the same job on one global
   mesh; process 0 alone writes results."""
   environ = os.environ
-  coordinator_address = coordinator_address or environ.get("JAX_COORDINATOR_ADDRESS")
-  if num_processes is None and environ.get("SPECJAX_NUM_PROCESSES"):
-    num_processes = int(environ["SPECJAX_NUM_PROCESSES"])
-  if process_id is None and environ.get("SPECJAX_PROCESS_ID"):
-    process_id = int(environ["SPECJAX_PROCESS_ID"])
+  coordinator_address = coordinator_address or environ.get("JAX_COORDINATOR_ADDRESS") or None
+  if num_processes is None:
+    num_processes = validation.env_int("SPECJAX_NUM_PROCESSES", 1, environ)
+  if process_id is None:
+    process_id = validation.env_int("SPECJAX_PROCESS_ID", 0, environ)
+  if num_processes is not None and process_id is not None and process_id >= num_processes:
+    raise ValueError(f"SPECJAX_PROCESS_ID={process_id} is not below SPECJAX_NUM_PROCESSES="
+                     f"{num_processes}: ids run from 0 to {num_processes - 1}")
   if coordinator_address is None and not auto:
+    if (num_processes or 1) > 1 or process_id:
+      raise ValueError(f"SPECJAX_NUM_PROCESSES={num_processes} / SPECJAX_PROCESS_ID={process_id} ask "
+                       "for a multi-process run but no coordinator is set: set "
+                       "JAX_COORDINATOR_ADDRESS=host:port (process 0's host, the same on every "
+                       "process), or pass --distributed on a cluster that says it itself (a Cloud "
+                       "TPU pod slice); unset both for a single process")
     return False
   if coordinator_address is not None and (num_processes is None or process_id is None):
     raise ValueError(f"a multi-process run with coordinator {coordinator_address} needs the process "

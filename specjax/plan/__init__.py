@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from specjax import contracts, models, sharding
+from specjax import contracts, models, sharding, validation
 from specjax.decoding import autoregressive, core
 from specjax.drafters import expansion
 from specjax.drafters import model as model_drafts
@@ -78,6 +78,15 @@ class PlanSpec:
   prompt_length: int | None = None
   strict_sharding: bool = False
   programs: tuple | None = None
+
+  def __post_init__(self):
+    if self.memory_gib is not None:
+      validation.finite_number(self.memory_gib, "PlanSpec.memory_gib (--memory_gib)", 1e-9,
+                               fix="it is the memory of one device in GiB, e.g. 16; leave it unset "
+                                   "to take the TPU's HBM")
+    if self.prompt_length is not None:
+      validation.whole_number(self.prompt_length, "PlanSpec.prompt_length", 1,
+                              validation.MAX_POSITIONS)
 
 
 PROGRAMS = ("prefill", "draft step", "verify", "decode step", "loop")

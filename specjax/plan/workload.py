@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 
-from specjax import checkpoints, models, specs
+from specjax import checkpoints, models, specs, validation
 from specjax.drafters import registry
 from specjax.models import decoder_only, t5
 
@@ -52,8 +52,12 @@ def architecture(checkpoint: str, size: str | None = None, role: str = "target")
     return t5.SIZES[f"t5.1.1-{scale}"]
   fix = (f"name its architecture: plan.PlanSpec.{'target_size' if role == 'target' else 'draft_sizes'}"
          f" (one of {', '.join(sorted(models.SIZES))})")
-  if "://" in checkpoint or not pathlib.Path(checkpoint).expanduser().exists():
+  if "://" in checkpoint:
     raise ValueError(f"cannot read the architecture of the {role} {checkpoint!r} here; {fix}")
+  if not pathlib.Path(checkpoint).expanduser().exists():
+    raise FileNotFoundError(f"the {role} checkpoint {checkpoint!r} does not exist: fix the path in "
+                            f"the config, or, to plan for weights that are not on this machine, "
+                            f"{fix}")
   return checkpoints.read_config(pathlib.Path(checkpoint).expanduser())
 
 
@@ -78,6 +82,8 @@ def of_job(job, target_size: str | None = None, draft_sizes: tuple = (),
     raise ValueError(f"a plan covers the decoding jobs (generation.Generate, "
                      f"speculative_sweep.Sweep), not {type(job).__name__}")
   target_spec, prompts, decode = arguments["target"], arguments["prompts"], arguments["decode"]
+  mesh_shape = validation.check_mesh_shape(arguments["mesh_shape"],
+                                           f"{type(job).__name__}.mesh_shape")
   target = architecture(target_spec.checkpoint, target_size)
   grid = arguments.get("grid")
   if grid is not None:  # a sweep: every drafter at the largest gamma, one prompt at a time
@@ -104,7 +110,7 @@ def of_job(job, target_size: str | None = None, draft_sizes: tuple = (),
                        f"{name} {config.vocab_size}")
     drafts.append((_draft_label(name, config, [label for label, _ in drafts]), config))
   return Workload(
-      target=target, drafts=tuple(drafts), mesh_shape=tuple(arguments["mesh_shape"]),
+      target=target, drafts=tuple(drafts), mesh_shape=mesh_shape,
       batch=batch, prompt_length=prompt_length or prompts.max_prompt_length,
       max_new_tokens=decode.max_new_tokens, gamma=gamma if drafts else 0, top_k=decode.top_k,
       skipped=tuple(name for name in drafter_names if name not in model_drafters))
