@@ -33,6 +33,11 @@ class Workload:
   skipped: tuple = ()  # drafters without a model (tables, lookup): nothing to plan
 
 
+class MissingCheckpoint(FileNotFoundError, ValueError):
+  """A checkpoint path that does not exist: missing (FileNotFoundError), and a config the plan cannot
+  read (ValueError, as an unreadable architecture is)."""
+
+
 # Public T5X checkpoints (gs://t5-data/pretrained_models/t5x/...) by directory name -> architecture.
 _PUBLIC_T5X = re.compile(r"(flan_t5|t5_1_1(?:_lm100k)?|t5)_(small|base|large|xl|xxl|3B|11B)(?:/|$)")
 
@@ -55,7 +60,7 @@ def architecture(checkpoint: str, size: str | None = None, role: str = "target")
   if "://" in checkpoint:
     raise ValueError(f"cannot read the architecture of the {role} {checkpoint!r} here; {fix}")
   if not pathlib.Path(checkpoint).expanduser().exists():
-    raise FileNotFoundError(f"the {role} checkpoint {checkpoint!r} does not exist: fix the path in "
+    raise MissingCheckpoint(f"the {role} checkpoint {checkpoint!r} does not exist: fix the path in "
                             f"the config, or, to plan for weights that are not on this machine, "
                             f"{fix}")
   return checkpoints.read_config(pathlib.Path(checkpoint).expanduser())
