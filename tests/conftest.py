@@ -7,8 +7,10 @@ looked up from fixed arrays): `bigram_step` / `bigram_cache` as a target, `Bigra
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import flax.struct
 import jax
@@ -18,6 +20,29 @@ import pytest
 
 from specjax import contracts
 from specjax.models import decoder_only, t5
+
+
+def pytest_configure(config):
+  """One persistent compilation cache for the whole run: the controller picks a fresh directory and
+  the environment hands it to every pytest-xdist worker and to every subprocess a test starts (the
+  8-device checks, the two-process run, the notebook's kernel). Tests rebuild the same programs
+  again and again (a resumed run compiles what the first run did, two sweeps share their baseline),
+  and XLA's compile is most of a small test's time on this CPU. Keyed by the program, the compiler
+  and the devices, a hit is the very executable a compile would give. A size limit turns on JAX's
+  file lock, so the two workers never read an entry the other is still writing."""
+  if hasattr(config, "workerinput") or "SPECJAX_TEST_XLA_CACHE" in os.environ:
+    directory = os.environ.get("SPECJAX_TEST_XLA_CACHE")
+  else:
+    directory = tempfile.mkdtemp(prefix="specjax-test-xla-")
+    os.environ["SPECJAX_TEST_XLA_CACHE"] = directory
+    config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
+  if directory:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(16 << 30)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_compilation_cache_max_size", 16 << 30)
 
 
 def random_decoder_params(config, seed=0, scale=0.2):
