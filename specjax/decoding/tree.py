@@ -18,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 import re
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from specjax import validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +49,9 @@ class Tree:
   @classmethod
   def chain(cls, gamma: int) -> "Tree":
     """gamma candidates in a row: the chain as a tree."""
-    if isinstance(gamma, bool) or not _whole(gamma) or gamma < 1 or gamma > MAX_NODES:
-      raise ValueError(f"gamma (draft tokens per iteration) must be a whole number >= 1 and <= "
-                       f"{MAX_NODES} (the nodes one verification scores), got {gamma}")
-    return cls.spine(int(gamma), 1)
+    gamma = validation.whole_number(gamma, "gamma (draft tokens per iteration)", 1, MAX_NODES,
+                                    fix=f"one verification scores at most {MAX_NODES} nodes")
+    return cls.spine(gamma, 1)
 
   @classmethod
   def spine(cls, depth: int, width: int) -> "Tree":
@@ -134,17 +134,9 @@ class Tree:
 MAX_NODES = 1024
 
 
-def _whole(value) -> bool:
-  try:
-    return math.isfinite(float(value)) and int(value) == value
-  except (TypeError, ValueError, OverflowError):
-    return False
-
-
 def _check_positive(**values) -> None:
   for name, value in values.items():
-    if isinstance(value, bool) or not _whole(value) or value < 1:
-      raise ValueError(f"tree {name} must be a whole number >= 1, got {value}")
+    validation.whole_number(value, f"tree {name}")
 
 
 def _check_size(size, name: str) -> None:
