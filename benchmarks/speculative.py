@@ -84,7 +84,8 @@ def main():
     points.append({"task": args.task, "drafter": itself, "gamma": 1, "temperature": 0.0,
                    "lenience": 1.0, "overhead_bound": True})
   decode = specs.DecodeSpec(max_new_tokens=args.new_tokens)
-  bench = measure.Bench(target, grid.tasks, grid.prompts_per_task, decode, args.seed, args.style,
+  bench = measure.Bench(target, measure.task_prompt_sets(grid.tasks, grid.prompts_per_task, args.style),
+                        decode, args.seed, args.style,
                         grid.drafters, largest_tree=max(grid.all_gammas()) + 1)
   costs = speculative_sweep.StepCosts(bench, grid)
   print(f"{len(points)} points; setup {time.perf_counter() - started:.0f}s", flush=True)

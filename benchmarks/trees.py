@@ -84,7 +84,7 @@ def main():
   target, _ = loading.load_target(specs.ModelSpec(args.checkpoint), (1, 1))
   for name in grid.drafters:  # as the sweep: heads / MTP are refused for a T5 target, with the fix
     registry.check(name, target.config)
-  bench = measure.Bench(target, grid.tasks, grid.prompts_per_task,
+  bench = measure.Bench(target, measure.task_prompt_sets(grid.tasks, grid.prompts_per_task, args.style),
                         specs.DecodeSpec(max_new_tokens=args.new_tokens), args.seed, args.style,
                         grid.drafters, largest_tree=max(Tree.from_name(t).size for t in grid.trees))
   print(f"{len(points)} points; setup {time.perf_counter() - started:.0f}s", flush=True)

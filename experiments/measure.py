@@ -74,6 +74,11 @@ def task_prompts(task: str, count: int, style: str) -> prompt_sets.PromptSet:
   return prompt_sets.prompt_set_for_run(task, split, count, style, "the sweep's task")
 
 
+def task_prompt_sets(tasks, count: int, style: str) -> dict[str, prompt_sets.PromptSet]:
+  """{task: its prompts (`task_prompts`)}: read once, then checked, digested and measured."""
+  return {task: task_prompts(task, count, style) for task in tasks}
+
+
 def check_tasks(target: loading.LoadedModel, prompts: dict, decode: specs.DecodeSpec,
                 largest_tree: int, names: str) -> None:
   """Before a sweep writes anything: every prompt of every task tokenizes to 1..MAX_PROMPT_LENGTH
@@ -87,11 +92,10 @@ def check_tasks(target: loading.LoadedModel, prompts: dict, decode: specs.Decode
                                  decode.max_new_tokens, largest_tree, names)
 
 
-def heldout_prompts(target: loading.LoadedModel, task: str, count: int, style: str,
+def heldout_prompts(target: loading.LoadedModel, task: str, heldout: prompt_sets.PromptSet,
                     rng: jax.Array) -> list[Prompt]:
-  """The first `count` held-out prompts of a set (`task_prompts`) as batch-1 inputs padded to one
-  shared length (one compiled program per task), each with its own key (`prompt_keys`)."""
-  heldout = task_prompts(task, count, style)
+  """A task's prompts (`task_prompts`, read and checked once by the sweep) as batch-1 inputs padded
+  to one shared length (one compiled program per task), each with its own key (`prompt_keys`)."""
   batch = target.batch_ids([target.tokenizer.encode(text) for text in heldout.prompts], bucket=32,
                            max_length=MAX_PROMPT_LENGTH, names=heldout.keys)
   rows = lambda array, i: None if array is None else jax.tree_util.tree_map(lambda x: x[i:i + 1],
@@ -106,12 +110,12 @@ class Bench:
   sample), compiled programs (and which have run once: a program's first run is slower, so it gets an
   untimed warm-up), part timers and the work before the first token by (task, drafter)."""
 
-  def __init__(self, target: loading.LoadedModel, tasks, prompts_per_task: int,
+  def __init__(self, target: loading.LoadedModel, task_sets: dict,
                decode: specs.DecodeSpec, seed: int, style: str, drafter_names, mesh=None,
                largest_tree: int = 1):
     self.target, self.decode = target, decode
-    self.prompts = {task: heldout_prompts(target, task, prompts_per_task, style,
-                                          jax.random.PRNGKey(seed)) for task in tasks}
+    self.prompts = {task: heldout_prompts(target, task, prompt_set, jax.random.PRNGKey(seed))
+                    for task, prompt_set in task_sets.items()}
     sequences = (prompt_sets.train_sequences(target.tokenizer, target.encoder_decoder, style)
                  if registry.needs_text(drafter_names) else None)
     self.build_target = registry.Target(target.config, target.params,

@@ -168,8 +168,7 @@ class Sweep:
     points = grid.points()  # validates the grid before anything is loaded or written
     mesh_shape = validation.check_mesh_shape(self.mesh_shape, "Sweep.mesh_shape")
     validation.whole_number(self.seed, "Sweep.seed", 0)
-    task_prompts = {task: measure.task_prompts(task, grid.prompts_per_task, self.prompts.style)
-                    for task in grid.tasks}
+    task_prompts = measure.task_prompt_sets(grid.tasks, grid.prompts_per_task, self.prompts.style)
     spec = {"target": dataclasses.asdict(self.target), "prompts": dataclasses.asdict(self.prompts),
             "decode": dataclasses.asdict(decode), "mesh_shape": list(self.mesh_shape),
             "seed": self.seed, "sweep": dataclasses.asdict(grid),
@@ -188,8 +187,8 @@ class Sweep:
     def measure_one(point):
       if not bench:
         start = time.perf_counter()
-        shared = measure.Bench(loaded, grid.tasks, grid.prompts_per_task, decode, self.seed,
-                               self.prompts.style, grid.drafters, mesh, max(grid.all_gammas()) + 1)
+        shared = measure.Bench(loaded, task_prompts, decode, self.seed, self.prompts.style,
+                               grid.drafters, mesh, max(grid.all_gammas()) + 1)
         bench.extend([shared, StepCosts(shared, grid)])
         logging.info("sweep of %d points; setup %.0fs", len(points), time.perf_counter() - start)
       return measure_point(*bench, grid.repeats, point)

@@ -145,8 +145,7 @@ class TreeSweep:
     grid = self.grid
     points = grid.points()
     validation.whole_number(self.seed, "TreeSweep.seed", 0)
-    task_prompts = {task: measure.task_prompts(task, grid.prompts_per_task, self.prompts.style)
-                    for task in grid.tasks}
+    task_prompts = measure.task_prompt_sets(grid.tasks, grid.prompts_per_task, self.prompts.style)
     spec = {"target": dataclasses.asdict(self.target), "prompts": dataclasses.asdict(self.prompts),
             "decode": dataclasses.asdict(self.decode), "seed": self.seed,
             "sweep": dataclasses.asdict(grid), "measurement": measure.MEASUREMENT,
@@ -167,8 +166,8 @@ class TreeSweep:
     def measure_one(point):
       if not bench:
         start = time.perf_counter()
-        bench.append(measure.Bench(loaded, grid.tasks, grid.prompts_per_task, self.decode,
-                                   self.seed, self.prompts.style, grid.drafters,
+        bench.append(measure.Bench(loaded, task_prompts, self.decode, self.seed,
+                                   self.prompts.style, grid.drafters,
                                    largest_tree=max(Tree.from_name(t).size for t in grid.trees)))
         logging.info("tree sweep of %d points; setup %.0fs", len(points),
                      time.perf_counter() - start)

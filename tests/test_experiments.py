@@ -532,7 +532,7 @@ def test_sampled_runs_of_both_sweeps_draw_from_each_prompt_s_key(monkeypatch):
 
   monkeypatch.setattr(measure, "heldout_prompts", lambda *args: prompts)
   spine = Tree.from_name("spine:2x2")
-  bench = measure.Bench(target, ("humaneval",), 3, decode, 0, "chat", ("layers1",),
+  bench = measure.Bench(target, {"humaneval": None}, decode, 0, "chat", ("layers1",),
                         largest_tree=spine.size)
   assert len(bench.prompts["humaneval"]) == 3
   assert pattern(bench.baseline("humaneval", 1.0)[2]) == (True, True)
