@@ -40,7 +40,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from specjax import assets
-from specjax.checkpoints.gguf import metadata, open_reader
+from specjax.checkpoints.gguf import tokenizer_metadata
 
 # llama.cpp's `tokenizer.ggml.pre` -> isolate single digits before the GPT-2 regex? Other names
 # raise rather than tokenize differently from the model's training.
@@ -150,19 +150,19 @@ class Tokenizer:
   @classmethod
   def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
     """Read the `tokenizer.ggml.*` metadata of a GGUF file (tokenizer model 'gpt2' only)."""
-    reader = open_reader(path)
-    model = metadata(reader, "tokenizer.ggml.model")
+    fields = tokenizer_metadata(path)
+    model = fields["tokenizer.ggml.model"]
     if model != "gpt2":
       raise ValueError(f"{path}: tokenizer model {model!r} is not supported; from_gguf reads "
                        "byte-level BPE ('gpt2') tokenizers only")
     # No default: llama.cpp's fallback for a missing name is yet another regex set, not GPT-2's.
-    pre = metadata(reader, "tokenizer.ggml.pre")
+    pre = fields["tokenizer.ggml.pre"]
     if pre not in GGUF_PRE_TOKENIZERS:
       raise ValueError(f"{path}: pre-tokenizer {pre!r} is not implemented; known: "
                        f"{sorted(GGUF_PRE_TOKENIZERS)}")
-    tokens = metadata(reader, "tokenizer.ggml.tokens")
-    types = metadata(reader, "tokenizer.ggml.token_type", [])
-    merges = [tuple(m.split(" ")) for m in metadata(reader, "tokenizer.ggml.merges", [])]
+    tokens = fields["tokenizer.ggml.tokens"]
+    types = fields["tokenizer.ggml.token_type"] or []
+    merges = [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"] or []]
     backend = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
     digits = [pre_tokenizers.Split(Regex(r"\p{N}"), "isolated")] if GGUF_PRE_TOKENIZERS[pre] else []
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -172,10 +172,10 @@ class Tokenizer:
                                 for t, kind in zip(tokens, types) if kind == _CONTROL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, kind in zip(tokens, types) if kind == _USER_DEFINED])
-    return cls(backend, bos_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
-               eos_id=metadata(reader, "tokenizer.ggml.eos_token_id"),
-               pad_id=metadata(reader, "tokenizer.ggml.padding_token_id"),
-               chat_template=metadata(reader, "tokenizer.chat_template"),
+    return cls(backend, bos_id=fields["tokenizer.ggml.bos_token_id"],
+               eos_id=fields["tokenizer.ggml.eos_token_id"],
+               pad_id=fields["tokenizer.ggml.padding_token_id"],
+               chat_template=fields["tokenizer.chat_template"],
                name=pathlib.Path(path).name)
 
   @classmethod
