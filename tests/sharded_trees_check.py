@@ -4,7 +4,8 @@ accepted counts, greedy and sampled (fixed rng), for a decoder-only target and f
 
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# Appended: the suite's compile flags (tests/conftest.py) reach this process too.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402

@@ -19,13 +19,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import generation_gin, tiny_t5_files
-from specjax import checkpoints, launch, loading, outputs, run, specs, validation
+from conftest import generation_gin, random_decoder_params, tiny_t5_files, write_llama_gguf
+from specjax import checkpoints, launch, loading, outputs, run, specs, tokenizer, validation
 from specjax import vocabulary as vocabularies
 from specjax.checkpoints import gguf, hf_t5
 from specjax.data import prompts
 from specjax.decoding.tree import Tree
-from specjax.models import t5
+from specjax.models import decoder_only, t5
 
 
 @pytest.fixture(scope="module")
@@ -296,15 +296,34 @@ def test_corrupt_checkpoint_files_are_named_with_the_fix(t5_files, tmp_path):
 
 def test_a_corrupt_dequantized_gguf_cache_entry_is_dequantized_again(monkeypatch, tmp_path):
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
-  path = loading.checkpoint_path(specs.EMBEDDED_SMOLLM2)
-  config, params = gguf.load(path)
+  config = decoder_only.SIZES["tiny"]
+  path = write_llama_gguf(tmp_path / "tiny.gguf", config, random_decoder_params(config, seed=5))
+  loaded, params = gguf.load(path)
   (entry,) = (tmp_path / "cache" / "gguf").glob("*.npz")
   entry.write_bytes(entry.read_bytes()[:4096])  # a copy cut short
   again, params_again = gguf.load(path)
-  assert again == config
+  assert again == loaded == config
   np.testing.assert_array_equal(params_again["embedding"], params["embedding"])
   with np.load(entry) as data:  # rewritten whole
     assert len(data.files) > 10
+
+
+def test_a_corrupt_gguf_tokenizer_cache_entry_is_read_again(monkeypatch, tmp_path):
+  """The tokenizer's metadata is cached as JSON (parsing it takes seconds): a cached read builds the
+  same tokenizer as the file's, and an entry cut short is removed and the file read again."""
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+  path = loading.checkpoint_path(specs.EMBEDDED_SMOLLM2)
+  text = "def f(x):\n  return 2024 <|im_start|>é"
+  first = tokenizer.Tokenizer.from_gguf(path)
+  (entry,) = (tmp_path / "cache" / "gguf").glob("*.tokenizer.json")
+  cached = tokenizer.Tokenizer.from_gguf(path)
+  entry.write_bytes(entry.read_bytes()[:4096])  # a copy cut short
+  again = tokenizer.Tokenizer.from_gguf(path)
+  for tok in (cached, again):
+    assert tok.encode(text) == first.encode(text) and len(first.encode(text)) > 8
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.chat_template, tok.vocab_size) == (
+        first.bos_id, first.eos_id, first.pad_id, first.chat_template, first.vocab_size)
+  assert len(json.loads(entry.read_text())["tokenizer.ggml.tokens"]) == first.vocab_size  # rewritten
 
 
 def test_a_file_swapped_with_its_old_size_and_mtime_changes_the_content_key(t5_files, tmp_path):

@@ -85,9 +85,11 @@ def test_unknown_binding_and_missing_checkpoint_are_clear(tmp_path):
     _tiny(tmp_path / "y", "specs.DecodeSpec.temperature = -1.0")
 
 
-def _tiny_sweep(tmp_path, *extra):
+def _tiny_sweep(tmp_path, *extra, target=None):
+  """The main job's sweep (configs/smollm2_default.gin) on a small grid; `target`: another checkpoint."""
   run.parse_gin([str(CONFIG_DIR / "smollm2_default.gin")], [
-      f"speculative_sweep.Sweep.output_dir = '{tmp_path}'", "specs.DecodeSpec.max_new_tokens = 8",
+      f"speculative_sweep.Sweep.output_dir = '{tmp_path}'",
+      *([f"specs.ModelSpec.checkpoint = '{target}'"] if target else []), "specs.DecodeSpec.max_new_tokens = 8",
       "speculative_sweep.SweepSpec.tasks = ('humaneval',)",
       "speculative_sweep.SweepSpec.drafters = ('lookup',)",
       "speculative_sweep.SweepSpec.gammas = (3,)",
@@ -98,8 +100,10 @@ def _tiny_sweep(tmp_path, *extra):
   return gin.get_configurable(run.main)()
 
 
-def test_smoke_sweep_writes_rows_tables_and_plots(tmp_path):
-  rows = _tiny_sweep(tmp_path)
+def test_smoke_sweep_writes_rows_tables_and_plots(tmp_path, smollm2_two_blocks):
+  """The main job's sweep end to end on a 2-block SmolLM2 (the notebook's test runs it on the whole
+  model): rows, tables, plots, resuming, and refusing rows measured another way."""
+  rows = _tiny_sweep(tmp_path, target=smollm2_two_blocks)
   # 2 temperatures lossless + 2 at l = 0.5, all of one gamma: one compiled loop and one part timer
   # serve every point (temperature and lenience are traced)
   assert len(rows) == 4
@@ -114,13 +118,13 @@ def test_smoke_sweep_writes_rows_tables_and_plots(tmp_path):
   assert "alpha" in (tmp_path / "tables.md").read_text()
   assert (tmp_path / "speedup_vs_gamma.png").stat().st_size > 1000
   gin.clear_config()
-  assert len(_tiny_sweep(tmp_path)) == 4  # a rerun resumes: nothing measured twice, no new rows
+  assert len(_tiny_sweep(tmp_path, target=smollm2_two_blocks)) == 4  # a rerun resumes: nothing measured twice, no new rows
   assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
   # The same directory as a sweep measured before methods were recorded left it: refused, not mixed.
   _as_if_measured_before_methods_were_recorded(tmp_path)
   gin.clear_config()
   with pytest.raises(ValueError, match="measurement: the rows were drawn or timed by an earlier"):
-    _tiny_sweep(tmp_path)
+    _tiny_sweep(tmp_path, target=smollm2_two_blocks)
 
 
 def _as_if_measured_before_methods_were_recorded(run_dir):
@@ -140,9 +144,10 @@ def test_sweep_refuses_gamma_below_one(tmp_path):
   assert not (tmp_path / "results.jsonl").exists()
 
 
-def _tiny_tree_sweep(tmp_path, *extra):
+def _tiny_tree_sweep(tmp_path, *extra, target=None):
   run.parse_gin([str(CONFIG_DIR / "smollm2_trees.gin")], [
-      f"tree_sweep.TreeSweep.output_dir = '{tmp_path}'", "specs.DecodeSpec.max_new_tokens = 8",
+      f"tree_sweep.TreeSweep.output_dir = '{tmp_path}'",
+      *([f"specs.ModelSpec.checkpoint = '{target}'"] if target else []), "specs.DecodeSpec.max_new_tokens = 8",
       "tree_sweep.TreeSweepSpec.drafters = ('lookup',)",
       "tree_sweep.TreeSweepSpec.trees = ('spine:2x2',)",
       "tree_sweep.TreeSweepSpec.temperatures = (0.0, 1.0)",
@@ -150,8 +155,9 @@ def _tiny_tree_sweep(tmp_path, *extra):
   return gin.get_configurable(run.main)()
 
 
-def test_smoke_tree_sweep_writes_rows_and_table_and_resumes(tmp_path):
-  rows = _tiny_tree_sweep(tmp_path)
+def test_smoke_tree_sweep_writes_rows_and_table_and_resumes(tmp_path, smollm2_two_blocks):
+  """The tree sweep (configs/smollm2_trees.gin) end to end on a 2-block SmolLM2."""
+  rows = _tiny_tree_sweep(tmp_path, target=smollm2_two_blocks)
   assert [(r["tree"], r["temperature"]) for r in rows] == [("spine:2x2", 0.0), ("spine:2x2", 1.0)]
   for row in rows:
     assert 1.0 <= row["tokens_per_target_call"] <= row["tree_depth"] + 1
@@ -161,11 +167,11 @@ def test_smoke_tree_sweep_writes_rows_and_table_and_resumes(tmp_path):
   # the kind column is registry.label(name): "prompt lookup" for `lookup`
   assert "| prompt lookup | lookup | spine:2x2 (5) | 0 |" in (tmp_path / "trees.md").read_text()
   gin.clear_config()
-  assert _tiny_tree_sweep(tmp_path) == rows  # a rerun resumes: nothing measured twice
+  assert _tiny_tree_sweep(tmp_path, target=smollm2_two_blocks) == rows  # a rerun resumes: nothing measured twice
   _as_if_measured_before_methods_were_recorded(tmp_path)
   gin.clear_config()
   with pytest.raises(ValueError, match="measurement: the rows were drawn or timed by an earlier"):
-    _tiny_tree_sweep(tmp_path)
+    _tiny_tree_sweep(tmp_path, target=smollm2_two_blocks)
 
 
 def test_tree_sweep_refuses_missing_heads_before_writing(tmp_path):

@@ -8,7 +8,8 @@ coordinator and this process (JAX_COORDINATOR_ADDRESS, SPECJAX_NUM_PROCESSES, SP
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# Appended: the suite's compile flags (tests/conftest.py) reach this process too.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 
