@@ -1,0 +1,211 @@
+"""The machine's limits and the target's floor: how close a decode step and a verification come to them.
+
+    .venv/bin/python benchmarks/roofline.py [--tokens 1,2,3,4,5,8,12,17,24,32] [--rows 1,2,4,...]
+
+1. Read bandwidth: a jitted sum over a 512 MB buffer (XLA), and a torch sum over the same bytes (the
+   peer's library, in its own process so neither side's threads slow the other).
+2. Matrix throughput by rows M: the target's weight shape streamed the way a step streams it, 90
+   products of [M, 576] x [576, 1536] with 90 distinct weight matrices (as many bytes as SmolLM2's
+   blocks read), in float32 and bfloat16, through XLA and through torch (oneDNN; the best library on
+   this machine): GFLOP/s, and the time of the 90 products.
+3. The ridge point (peak FLOP/s over bytes/s) of each path.
+4. The target (SmolLM2-135M, float32, batch 1 after a 128-token prompt): the floor of a step scoring T
+   tokens, max(bytes it must read / bandwidth, FLOPs / the best float32 throughput measured), beside the
+   measured step of the real verification program (Model.decode_step on T tokens, timed as the loop
+   runs it: timing.step_seconds), T = 1..32: v(T) = step(T) / step(1), and v's floor.
+
+Writes benchmarks/results/roofline.{json,md}. Medians of repeated runs after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import common
+from specjax import loading, timing
+from specjax.drafters.model import ModelDrafter
+
+PRODUCTS, IN, OUT = 90, 576, 1536
+DTYPES = ("float32", "bfloat16")
+
+
+def xla_matmul_seconds(rows: int, dtype: str, repeats: int) -> float:
+  """Median seconds of PRODUCTS products [rows, IN] x [IN, OUT], each with its own weights."""
+  kind = jnp.dtype(dtype)
+  weights = jax.random.normal(jax.random.PRNGKey(0), (PRODUCTS, IN, OUT), jnp.float32).astype(kind)
+  x = jnp.ones((rows, IN), kind)
+
+  @jax.jit
+  def run(x, weights):
+    def body(i, total):
+      return total + jnp.sum((x @ weights[i]).astype(jnp.float32))
+    return jax.lax.fori_loop(0, PRODUCTS, body, jnp.float32(0.0))
+  return timing.median_seconds(lambda: run(x, weights).block_until_ready(), repeats)[0]
+
+
+PEER = r"""
+import json, statistics, sys, time
+import torch
+torch.set_num_threads(int(sys.argv[1]))
+rows, repeats = json.loads(sys.argv[2]), int(sys.argv[3])
+PRODUCTS, IN, OUT = 90, 576, 1536
+out = {}
+data = torch.ones(512 * 1024 * 1024 // 4)
+def median(fn):
+  fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter(); fn(); times.append(time.perf_counter() - start)
+  return statistics.median(times)
+out["bandwidth_gbps"] = data.numel() * 4 / median(lambda: float(data.sum())) / 1e9
+for dtype in ("float32", "bfloat16"):
+  kind = getattr(torch, dtype)
+  weights = torch.randn(PRODUCTS, IN, OUT).to(kind)
+  for m in rows:
+    x = torch.ones(m, IN, dtype=kind)
+    def run():
+      with torch.inference_mode():
+        total = 0.0
+        for i in range(PRODUCTS):
+          total += float((x @ weights[i]).float().sum())
+    out[f"{dtype}/{m}"] = median(run)
+print(json.dumps(out))
+"""
+
+
+def peer_seconds(rows, repeats: int) -> dict | None:
+  """torch's figures from its own process, or None when torch is not installed."""
+  try:
+    done = subprocess.run([sys.executable, "-c", PEER, str(os.cpu_count()),
+                           json.dumps(list(rows)), str(repeats)], capture_output=True, text=True,
+                          timeout=1800, check=True)
+  except (subprocess.CalledProcessError, FileNotFoundError) as error:
+    print(f"torch peer not measured: {error}", file=sys.stderr)
+    return None
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def cpu_description() -> str:
+  """The CPU's model name and the matrix / vector extensions that decide bfloat16's speed (AMX,
+  AVX-512 BF16, AVX-512, AVX2), from /proc/cpuinfo where there is one."""
+  try:
+    info = pathlib.Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return platform.processor() or platform.machine()
+  name = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")),
+              platform.machine())
+  flags = set(next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")),
+                   []))
+  found = [f for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma") if f in flags]
+  return f"{name} ({', '.join(found) or 'no AVX2'})"
+
+
+def step_bytes_and_flops(config, params, cache_length: int, tokens: int) -> tuple[int, int]:
+  """(bytes a step must read: every weight + the valid KV cache, FLOPs of scoring `tokens`): the
+  matrix products 2 * (parameters touched) per token, the head over the whole vocabulary included,
+  and attention 4 * heads * head_dim * cache_length per token and layer."""
+  weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+  kv_bytes = 2 * config.num_layers * cache_length * config.num_kv_heads * config.head_dim * 4
+  matrix_params = sum(x.size for x in jax.tree_util.tree_leaves(params) if x.ndim == 2)
+  attention = 4 * config.num_layers * config.num_heads * config.head_dim * cache_length
+  return weight_bytes + kv_bytes, tokens * (2 * matrix_params + attention)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--tokens", default="1,2,3,4,5,6,8,12,17,24,32")
+  parser.add_argument("--rows", default="1,2,4,5,8,12,17,24,32,48,64")
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--prompt", type=int, default=128)
+  parser.add_argument("--no_peer", action="store_true")
+  parser.add_argument("--output", default="roofline")
+  args = parser.parse_args()
+  tokens = [int(t) for t in args.tokens.split(",")]
+  rows = [int(r) for r in args.rows.split(",")]
+
+  bandwidth = common.memory_bandwidth_gbps(repeats=args.repeats)
+  peer = None if args.no_peer else peer_seconds(rows, args.repeats)
+  matmul = []
+  for dtype in DTYPES:
+    for m in rows:
+      flops = 2 * PRODUCTS * m * IN * OUT
+      xla = xla_matmul_seconds(m, dtype, args.repeats)
+      lib = None if peer is None else peer[f"{dtype}/{m}"]
+      matmul.append({"dtype": dtype, "rows": m, "xla_ms": 1000 * xla, "xla_gflops": flops / xla / 1e9,
+                     "library_ms": None if lib is None else 1000 * lib,
+                     "library_gflops": None if lib is None else flops / lib / 1e9})
+  weight_bytes = PRODUCTS * IN * OUT
+  ridge = {}
+  for dtype in DTYPES:
+    size = jnp.dtype(dtype).itemsize
+    peak = {path: max(r[f"{path}_gflops"] or 0 for r in matmul if r["dtype"] == dtype)
+            for path in ("xla", "library")}
+    ridge[dtype] = {path: (peak[path] / bandwidth if path == "xla" else
+                           peak[path] / (peer["bandwidth_gbps"] if peer else np.nan))
+                    for path in peak}
+    ridge[dtype]["bytes_per_product_set"] = weight_bytes * size
+
+  target = loading.load_model()
+  config, params, model = target.config, jax.device_put(target.params), target.model
+  probe = ModelDrafter(model)
+  prompt = (jnp.full((1, args.prompt), 7, jnp.int32), jnp.asarray([args.prompt], jnp.int32))
+  cache_length = args.prompt + max(tokens) + 2
+  state = jax.jit(probe.init, static_argnums=3)(params, *prompt, cache_length)
+  step = timing.target_step(model)
+  # The machine's best float32 throughput at any row count and through either path: no step can
+  # compute faster than that, nor read faster than the bandwidth.
+  peak = max(max(r["library_gflops"] or 0, r["xla_gflops"]) for r in matmul if r["dtype"] == "float32")
+  verify = []
+  for t in tokens:
+    fresh = jax.tree_util.tree_map(jnp.copy, state)  # the timer donates the state it is given
+    ms = 1000 * timing.step_seconds(step, params, fresh, *timing.one_token(prompt, t), args.repeats,
+                                    rounds=3)
+    read, flops = step_bytes_and_flops(config, target.params, args.prompt + t, t)
+    floor = max(read / (bandwidth * 1e9), flops / (peak * 1e9))
+    verify.append({"tokens": t, "step_ms": ms, "floor_ms": 1000 * floor,
+                   "bandwidth_floor_ms": 1000 * read / (bandwidth * 1e9)})
+  for row in verify:
+    row["v"] = row["step_ms"] / verify[0]["step_ms"]
+    row["v_floor"] = row["floor_ms"] / verify[0]["floor_ms"]
+    row["step_over_floor"] = row["step_ms"] / row["floor_ms"]
+
+  meta = {"machine": cpu_description(), "cpus": os.cpu_count(),
+          "peak_float32_gflops": peak,
+          "jax": jax.__version__, "bandwidth_gbps": bandwidth,
+          "peer_bandwidth_gbps": None if peer is None else peer["bandwidth_gbps"],
+          "ridge_flop_per_byte": ridge, "prompt": args.prompt, "repeats": args.repeats}
+  lines = [f"{datetime.date.today()}, {meta['machine']}, {meta['cpus']} cores: "
+           f"`python benchmarks/roofline.py {' '.join(sys.argv[1:])}`", "",
+           f"Read bandwidth: XLA {bandwidth:.1f} GB/s"
+           + (f", torch {peer['bandwidth_gbps']:.1f} GB/s" if peer else ""), "",
+           "| dtype | rows | XLA ms (90 products) | XLA GFLOP/s | torch ms | torch GFLOP/s |",
+           "|---|---|---|---|---|---|"]
+  fmt = lambda v, f: "-" if v is None else f.format(v)
+  for r in matmul:
+    lines.append(f"| {r['dtype']} | {r['rows']} | {r['xla_ms']:.1f} | {r['xla_gflops']:.0f} | "
+                 f"{fmt(r['library_ms'], '{:.1f}')} | {fmt(r['library_gflops'], '{:.0f}')} |")
+  lines += ["", "Ridge points (peak FLOP/s over read bytes/s): " + "; ".join(
+      f"{d} XLA {ridge[d]['xla']:.1f}, torch {ridge[d]['library']:.1f} FLOP/byte" for d in DTYPES),
+      "", f"SmolLM2-135M float32, batch 1 after {args.prompt} tokens: the verification of T tokens",
+      "", "| T | step ms | floor ms | v(T) | v floor | step / floor |", "|---|---|---|---|---|---|"]
+  for r in verify:
+    lines.append(f"| {r['tokens']} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | {r['v']:.2f} | "
+                 f"{r['v_floor']:.2f} | {r['step_over_floor']:.2f} |")
+  markdown = "\n".join(lines)
+  common.write_results(args.output, {"matmul": matmul, "verify": verify}, markdown, meta)
+  print(markdown)
+
+
+if __name__ == "__main__":
+  main()
