@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import pathlib
 import time
 from typing import Any, Mapping, Sequence
@@ -21,13 +22,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from absl import logging
 
-from specjax import assets, checkpoints, contracts, models, sharding, validation
+from specjax import assets, checkpoints, contracts, models, sharding
 from specjax.checkpoints import t5x
 from specjax.data import prompts
 from specjax.models import t5
 from specjax.specs import EMBEDDED_SMOLLM2, ModelSpec
 from specjax.tokenizer import Tokenizer
-from specjax.vocabulary import SentencePieceVocabulary
+from specjax.vocabulary import MODEL_FILES, SentencePieceVocabulary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,7 @@ def load_model(checkpoint: str = EMBEDDED_SMOLLM2, vocabulary: str | None = None
   config, params = checkpoints.load(path)
   tokenizer = load_tokenizer(path, config, vocabulary)
   if vocabulary is not None:  # the model's own vocabulary, where it ships one, must be this one
-    validation.check_same_vocabulary(
+    check_same_vocabulary(
         tokenizer, f"ModelSpec.vocabulary {vocabulary}", path, "the model",
         "Leave ModelSpec.vocabulary None to read the checkpoint's own, or point it at the "
         "vocabulary the model was trained with")
@@ -124,6 +125,69 @@ def load_tokenizer(path, config, vocabulary: str | None = None):
     raise FileNotFoundError(f"{path} has no tokenizer.json; a target needs its tokenizer to read "
                             "prompts: copy the model's tokenizer.json there, or pass vocabulary=")
   return Tokenizer.from_hf_json(tokenizer_json)
+
+
+# The vocabulary a checkpoint was trained with against the one a run reads its text with: a model's
+# shipped tokenizer against an explicit vocabulary, a draft's against the target's, a checkpoint
+# fine-tuned or distilled from against the task's. One check every path shares.
+
+def base_size(tokenizer) -> int:
+  """A vocabulary's own pieces: a SentencePieceVocabulary's without the extra ids (sentinels that
+  a run appends), a Tokenizer's all."""
+  return tokenizer.vocab_size - getattr(tokenizer, "extra_ids", 0)
+
+
+def vocabulary_digest(tokenizer) -> str:
+  """A digest of a vocabulary's own pieces in id order (a Tokenizer's byte-level BPE tokens, or a
+  SentencePieceVocabulary's pieces): two files are one vocabulary when every id is the same piece."""
+  if hasattr(tokenizer, "id_to_piece"):
+    piece = tokenizer.id_to_piece
+  else:
+    piece = tokenizer.backend.id_to_token
+  sha = hashlib.sha256()
+  for i in range(base_size(tokenizer)):
+    sha.update((str(piece(i)) + "\n").encode("utf-8", "surrogatepass"))
+  return sha.hexdigest()[:16]
+
+
+def shipped_vocabulary(checkpoint) -> tuple[Any, str] | None:
+  """(the vocabulary a checkpoint ships, its file) or None when it ships none (a T5X checkpoint): a
+  .gguf's own tokenizer, a Hugging Face directory's spiece.model / sentencepiece.model (T5) or
+  tokenizer.json."""
+  if "://" in str(checkpoint):
+    return None
+  path = pathlib.Path(checkpoint).expanduser()
+  if path.is_file() and path.suffix == ".gguf":
+    return Tokenizer.from_gguf(path), str(path)
+  if not path.is_dir():
+    return None
+  for name in MODEL_FILES:
+    if (path / name).is_file():
+      return SentencePieceVocabulary.from_file(path / name), str(path / name)
+  if (path / "tokenizer.json").is_file():
+    kind = json.loads((path / "tokenizer.json").read_text()).get("model", {}).get("type")
+    if kind == "Unigram":
+      return (SentencePieceVocabulary.from_directory(path),
+              str(path / "tokenizer.json"))
+    return Tokenizer.from_hf_json(path / "tokenizer.json"), str(path / "tokenizer.json")
+  return None
+
+
+def check_same_vocabulary(expected, expected_source: str, checkpoint, role: str, fix: str) -> None:
+  """Refuse `checkpoint` (a `role`: "the draft", "init_checkpoint", "the teacher", ...) when the
+  vocabulary it ships is not `expected` (a tokenizer or vocabulary, read from `expected_source`):
+  the same size is not enough, every id must be the same piece. A checkpoint that ships none (a
+  T5X checkpoint) passes here; its vocabulary size is checked where it is loaded."""
+  shipped = shipped_vocabulary(checkpoint)
+  if shipped is None:
+    return
+  theirs, their_file = shipped
+  if base_size(theirs) == base_size(expected) and \
+      vocabulary_digest(theirs) == vocabulary_digest(expected):
+    return
+  raise ValueError(f"{role} {checkpoint} was trained with another vocabulary ({their_file}: "
+                   f"{base_size(theirs)} pieces) than {expected_source} ({base_size(expected)} "
+                   f"pieces): the same ids would mean other text. {fix}")
 
 
 def load_target(spec: ModelSpec, mesh_shape: tuple = (1, 1)) -> tuple[LoadedModel, Any]:

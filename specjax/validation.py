@@ -7,10 +7,8 @@ same input with the same message (the setting or file it names, and the fix).
                 valid UTF-8 (`check_prompt_set`), every prompt tokenizing to 1..max_prompt_length
                 tokens (`check_token_lists`), and the digest of the prompts actually used
                 (`prompt_digest`), which enters a run's spec and so its fingerprint
-  vocabulary    the vocabulary a model was trained with against the one a run reads its text with
-                (`check_same_vocabulary`): a model's shipped tokenizer against an explicit vocabulary,
-                a draft's against the target's, a checkpoint fine-tuned or distilled from against the
-                task's
+  vocabulary    lives in `loading.check_same_vocabulary`: it reads the tokenizer a checkpoint ships,
+                which this module, imported by the decoding core, must not reach up to
   memory        the KV cache and the verification logits a decode allocates, from the model's shapes
                 (the planner's arithmetic, `jax.eval_shape`: nothing allocated), against this
                 machine's memory (`check_decode_fits`)
@@ -25,7 +23,6 @@ import hashlib
 import math
 import operator
 import os
-import pathlib
 from typing import Any, Sequence
 
 # Token positions and cache slots are int32 on the device; a length beyond this would wrap.
@@ -159,70 +156,6 @@ def prompt_digest(prompt_set) -> str:
       data = str(part).encode("utf-8", "surrogatepass")
       sha.update(len(data).to_bytes(8, "big") + data)
   return sha.hexdigest()[:16]
-
-
-# ---- vocabularies -----------------------------------------------------------------------------------
-
-def base_size(tokenizer) -> int:
-  """A vocabulary's own pieces: a SentencePieceVocabulary's without the extra ids (sentinels that
-  a run appends), a Tokenizer's all."""
-  return tokenizer.vocab_size - getattr(tokenizer, "extra_ids", 0)
-
-
-def vocabulary_digest(tokenizer) -> str:
-  """A digest of a vocabulary's own pieces in id order (a Tokenizer's byte-level BPE tokens, or a
-  SentencePieceVocabulary's pieces): two files are one vocabulary when every id is the same piece."""
-  if hasattr(tokenizer, "id_to_piece"):
-    piece = tokenizer.id_to_piece
-  else:
-    piece = tokenizer.backend.id_to_token
-  sha = hashlib.sha256()
-  for i in range(base_size(tokenizer)):
-    sha.update((str(piece(i)) + "\n").encode("utf-8", "surrogatepass"))
-  return sha.hexdigest()[:16]
-
-
-def shipped_vocabulary(checkpoint) -> tuple[Any, str] | None:
-  """(the vocabulary a checkpoint ships, its file) or None when it ships none (a T5X checkpoint): a
-  .gguf's own tokenizer, a Hugging Face directory's spiece.model / sentencepiece.model (T5) or
-  tokenizer.json."""
-  from specjax import tokenizer as tokenizers  # pylint: disable=import-outside-toplevel
-  from specjax import vocabulary as vocabularies  # pylint: disable=import-outside-toplevel
-  if "://" in str(checkpoint):
-    return None
-  path = pathlib.Path(checkpoint).expanduser()
-  if path.is_file() and path.suffix == ".gguf":
-    return tokenizers.Tokenizer.from_gguf(path), str(path)
-  if not path.is_dir():
-    return None
-  for name in vocabularies.MODEL_FILES:
-    if (path / name).is_file():
-      return vocabularies.SentencePieceVocabulary.from_file(path / name), str(path / name)
-  if (path / "tokenizer.json").is_file():
-    import json  # pylint: disable=import-outside-toplevel
-    kind = json.loads((path / "tokenizer.json").read_text()).get("model", {}).get("type")
-    if kind == "Unigram":
-      return (vocabularies.SentencePieceVocabulary.from_directory(path),
-              str(path / "tokenizer.json"))
-    return tokenizers.Tokenizer.from_hf_json(path / "tokenizer.json"), str(path / "tokenizer.json")
-  return None
-
-
-def check_same_vocabulary(expected, expected_source: str, checkpoint, role: str, fix: str) -> None:
-  """Refuse `checkpoint` (a `role`: "the draft", "init_checkpoint", "the teacher", ...) when the
-  vocabulary it ships is not `expected` (a tokenizer or vocabulary, read from `expected_source`):
-  the same size is not enough, every id must be the same piece. A checkpoint that ships none (a
-  T5X checkpoint) passes here; its vocabulary size is checked where it is loaded."""
-  shipped = shipped_vocabulary(checkpoint)
-  if shipped is None:
-    return
-  theirs, their_file = shipped
-  if base_size(theirs) == base_size(expected) and \
-      vocabulary_digest(theirs) == vocabulary_digest(expected):
-    return
-  raise ValueError(f"{role} {checkpoint} was trained with another vocabulary ({their_file}: "
-                   f"{base_size(theirs)} pieces) than {expected_source} ({base_size(expected)} "
-                   f"pieces): the same ids would mean other text. {fix}")
 
 
 # ---- memory -----------------------------------------------------------------------------------------

@@ -129,7 +129,7 @@ def test_bad_input_is_refused_with_the_fix(tmp_path, vocabulary_path):
     seq2seq.train(output_dir=str(tmp_path / "b"), task=_task(vocabulary_path),
                 model=seq2seq.T5Shape(size="t5.1.1-small"), training=SPEC, init_checkpoint=base)
   # Another vocabulary (here one with more ids than the model has logits), refused up front by the
-  # check every path shares (validation.check_same_vocabulary).
+  # check every path shares (loading.check_same_vocabulary).
   bigger = tmp_path / "bigger.model"
   vocabularies.train(gettext.texts_for_vocabulary("gettext_ende"), bigger, 600)
   with pytest.raises(ValueError, match=r"init_checkpoint .* was trained with another vocabulary "

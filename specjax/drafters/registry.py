@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from specjax import contracts, validation
+from specjax import contracts, loading
 from specjax.decoding.tree import Tree
 from specjax.drafters import expansion, heads, lookup, model, mtp, tables
 
@@ -152,11 +152,11 @@ def check(spec: DrafterSpec | str, target_config=None) -> DrafterSpec:
 
 def check_vocabulary(names, tokenizer, target_name: str) -> None:
   """Refuse a model draft whose checkpoint ships another vocabulary than the target's `tokenizer`
-  (the same size is not enough: validation.check_same_vocabulary), before anything runs."""
+  (the same size is not enough: loading.check_same_vocabulary), before anything runs."""
   for name in names:
     spec = check(name)
     if spec.kind == "model":
-      validation.check_same_vocabulary(
+      loading.check_same_vocabulary(
           tokenizer, f"the target {target_name}", spec.checkpoint, f"the draft {name!r}",
           "Speculative decoding needs one vocabulary: pick or train a draft with the target's "
           "tokenizer (configs/smollm2_draft.gin distils one)")

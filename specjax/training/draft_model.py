@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from specjax import checkpoints, launch, loading, outputs, specs, validation
+from specjax import checkpoints, launch, loading, outputs, specs
 from specjax.checkpoints import hf
 from specjax.models import decoder_only
 from specjax.training import teacher as teacher_data
@@ -237,9 +237,9 @@ def train(output_dir: str = "out/smollm2_draft", target=None, draft: DraftShape 
   if init_from:
     spec["content_keys"]["init_from"] = checkpoints.content_key(init_from)
     if target.vocabulary is None:  # the draft to start from must speak the target's vocabulary
-      shipped = validation.shipped_vocabulary(loading.checkpoint_path(target.checkpoint))
+      shipped = loading.shipped_vocabulary(loading.checkpoint_path(target.checkpoint))
       if shipped is not None:
-        validation.check_same_vocabulary(
+        loading.check_same_vocabulary(
             shipped[0], f"the target {target.checkpoint}", init_from, "init_from",
             "start from a draft that shares the target's tokenizer, or from DraftShape")
   # The directory is held for the whole run (one run at a time); its results are the loss log (one

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from specjax import checkpoints, contracts, launch, models, outputs, sharding, validation
+from specjax import checkpoints, contracts, launch, loading, models, outputs, sharding
 from specjax.decoding import autoregressive
 from specjax.data import prompts, gettext
 from specjax import vocabulary as vocabularies
@@ -258,7 +258,7 @@ def train(output_dir: str = "out/t5_gettext/target", task: TaskSpec = TaskSpec()
 
 def _check_vocabularies(task: TaskSpec, init_checkpoint: str | None, teacher: str | None) -> None:
   """Before anything is written: the checkpoint to fine-tune and the teacher must speak the task's
-  vocabulary (validation.check_same_vocabulary, the check every path shares). A checkpoint that
+  vocabulary (loading.check_same_vocabulary, the check every path shares). A checkpoint that
   ships a vocabulary cannot be fine-tuned with one trained here (TaskSpec.vocabulary None); the
   teacher is checked against a trained vocabulary when it exists (seq2seq_steps.load_teacher)."""
   local = task.vocabulary is not None and "://" not in task.vocabulary
@@ -267,12 +267,12 @@ def _check_vocabularies(task: TaskSpec, init_checkpoint: str | None, teacher: st
   for role, checkpoint in (("init_checkpoint", init_checkpoint), ("the teacher", teacher)):
     if checkpoint is None or "://" in checkpoint:
       continue
-    shipped = validation.shipped_vocabulary(checkpoint)
+    shipped = loading.shipped_vocabulary(checkpoint)
     if shipped is None:
       continue
     fix = f"set TaskSpec.vocabulary to {shipped[1]}, the vocabulary {role} was trained with"
     if expected is not None:
-      validation.check_same_vocabulary(expected, f"TaskSpec.vocabulary {task.vocabulary}",
+      loading.check_same_vocabulary(expected, f"TaskSpec.vocabulary {task.vocabulary}",
                                        checkpoint, role, fix)
     elif task.vocabulary is None and role == "init_checkpoint":
       raise ValueError(f"init_checkpoint {checkpoint} ships its vocabulary ({shipped[1]}) but "

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from flax import traverse_util
 
-from specjax import checkpoints, contracts, validation
+from specjax import checkpoints, contracts, loading
 from specjax import vocabulary as vocabularies
 from specjax.checkpoints import t5_layout
 from specjax.models import t5
@@ -57,7 +57,7 @@ def load_teacher(path: str, weight: float, config: t5.T5Config, vocab_path) -> T
   if teacher_config.vocab_size != config.vocab_size:
     raise ValueError(f"the teacher {path} has another vocabulary ({teacher_config.vocab_size} ids) "
                      f"than the model trained here ({config.vocab_size} ids, {vocab_path}): {fix}")
-  validation.check_same_vocabulary(vocabularies.SentencePieceVocabulary.from_file(vocab_path),
+  loading.check_same_vocabulary(vocabularies.SentencePieceVocabulary.from_file(vocab_path),
                                    str(vocab_path), path, "the teacher", fix)
   return Teacher(teacher_config, jax.device_get(params), weight)
 
