@@ -68,8 +68,8 @@ class DecodeSpec:
   top_p: float = 1.0
 
   def __post_init__(self):
-    for name in ("temperature", "top_p"):
-      validation.finite_number(getattr(self, name), f"DecodeSpec.{name}")
+    for name in ("temperature", "top_p"):  # stored as the float checked: "0" from a flag -> 0.0
+      object.__setattr__(self, name, validation.finite_number(getattr(self, name), f"DecodeSpec.{name}"))
     # Whole numbers fix shapes: 128.0 -> 128.
     object.__setattr__(self, "max_new_tokens", validation.whole_number(
         self.max_new_tokens, "DecodeSpec.max_new_tokens", 1, validation.MAX_POSITIONS,
