@@ -1,5 +1,5 @@
 """Speculative greedy decoding with the real SmolLM2-135M target equals its target-only greedy output,
-for the large-vocabulary drafters (prompt lookup on SmolLM2 is covered in test_speculative.py)."""
+for prompt lookup and the large-vocabulary drafters: one batch, its target-only output computed once."""
 
 import functools
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from specjax.decoding import autoregressive, core
-from specjax.drafters import expansion, tables
+from specjax.drafters import expansion, lookup, tables
 from specjax.drafters.model import ModelDrafter
 from specjax.data import prompts
 from specjax.contracts import StepModel
@@ -38,6 +38,8 @@ def batch_and_expected(smollm2):
 
 
 def _drafter(kind, config, params, tok):
+  if kind == "prompt lookup":
+    return lookup.PromptLookupDrafter(config.vocab_size), None
   if kind == "sparse bigram":
     train = prompts.load_prompt_set("humaneval", "train")
     text = [tok.encode(p + r) for p, r in zip(train.prompts, train.references)]
@@ -46,7 +48,7 @@ def _drafter(kind, config, params, tok):
   return ModelDrafter(decoder_only.model(draft_config)), draft_params
 
 
-@pytest.mark.parametrize("kind", ["sparse bigram", "truncated 2 layers"])
+@pytest.mark.parametrize("kind", ["prompt lookup", "sparse bigram", "truncated 2 layers"])
 def test_greedy_equals_target_greedy(smollm2, batch_and_expected, kind):
   config, params, tok = smollm2
   tokens, lengths, expected = batch_and_expected

@@ -406,24 +406,6 @@ def test_bad_input():
     wide_lookup(target, None, prompt, lengths, jax.random.PRNGKey(0))
 
 
-@pytest.mark.slow
-def test_greedy_equals_target_greedy_on_smollm2(smollm2):
-  """The real SmolLM2-135M target with a prompt-lookup draft, batch 2 of different prompt lengths."""
-  config, params, tok = smollm2
-  ids = [tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
-         tok.encode("The capital of France is")]
-  prompt_tokens, prompt_lengths = pad_prompts(ids)
-  target = decoder_only.model(config)
-  expected = autoregressive.make_generate(target, autoregressive.DecodeShape(16, eos_id=2))(
-      params, prompt_tokens, prompt_lengths, jax.random.PRNGKey(0), 0.0)
-  out = core.make_decode(
-      target, expansion.SampledChain(lookup.PromptLookupDrafter(config.vocab_size), 3),
-      core.DecodeConfig(max_new_tokens=16, eos_id=2))(
-          params, None, prompt_tokens, prompt_lengths, jax.random.PRNGKey(0), 0.0)
-  np.testing.assert_array_equal(out.tokens, expected.tokens)
-  np.testing.assert_array_equal(out.num_generated, expected.num_generated)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Timing helpers the sweep's predictions rest on (values, not speed: no timing is asserted).
 
