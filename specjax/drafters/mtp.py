@@ -76,7 +76,8 @@ def unroll(params: dict, embed_rows: jax.Array, head_rows: jax.Array, hidden: ja
     state = next_state(params, state, embed_rows[tokens[:, k]])
     states.append(state)
   states = jnp.stack(states, axis=1)
-  return states, jnp.einsum("bke,se->bks", states, head_rows.astype(jnp.float32))
+  return states, jnp.einsum("bke,se->bks", states.astype(head_rows.dtype), head_rows,
+                            preferred_element_type=jnp.float32)
 
 
 def drafter_params(mtp: dict, head_tokens, target_config, target_params) -> dict:
@@ -113,7 +114,8 @@ class MTPDrafter(expansion.Ranked):
     hidden, ranked = context.newest_features, []
     for _ in range(depth):
       hidden = next_state(params["mtp"], hidden, params["embed_rows"][token])
-      logits = hidden @ params["head_rows"].astype(jnp.float32).T
+      rows = params["head_rows"]
+      logits = jnp.matmul(hidden.astype(rows.dtype), rows.T, preferred_element_type=jnp.float32)
       top = params["head_tokens"][top_ids(logits, width)].astype(jnp.int32)
       ranked.append(top)
       token = top[:, 0]

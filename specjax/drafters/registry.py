@@ -19,6 +19,7 @@ import re
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from specjax import contracts, loading
 from specjax.decoding.tree import Tree
@@ -60,6 +61,14 @@ class Target:
   params: Any = None
   mesh: Any = None
   sequences: Sequence[Sequence[int]] | None = None
+
+  @property
+  def dtype(self):
+    """What the target decodes in (its params' floating dtype; float32 without params): model drafts
+    decode in it too."""
+    floating = [leaf.dtype for leaf in jax.tree_util.tree_leaves(self.params)
+                if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    return floating[0] if floating else jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,12 +240,12 @@ def _on_device(table) -> Any:
 register(Kind(
     "model", label="draft model", checkpoint=True, missing=_TRAIN_DRAFT,
     build=lambda spec, target, tree, sample: model.load_model_draft(
-        spec.checkpoint, target.config, target.mesh),
+        spec.checkpoint, target.config, target.mesh, target.dtype),
     plan=lambda spec, target_config: Planned(checkpoint=spec.checkpoint)))
 register(Kind(
     "layers", label="early exit",
     build=lambda spec, target, tree, sample: model.truncated_draft(
-        target.config, target.params, spec.option("num_layers"), target.mesh),
+        target.config, target.params, spec.option("num_layers"), target.mesh, target.dtype),
     plan=lambda spec, target_config: Planned(config=dataclasses.replace(
         target_config, num_layers=spec.option("num_layers")))))
 register(Kind(

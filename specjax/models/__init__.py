@@ -3,6 +3,7 @@
 These functions pick the family by the config's type, so callers never branch on it.
 """
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
@@ -14,6 +15,27 @@ from specjax.models import decoder_only, t5
 SIZES = {**decoder_only.SIZES,
          **{name if name.startswith("t5") else f"t5-{name}": config
             for name, config in t5.SIZES.items()}}
+
+
+# The dtypes a model decodes in (specs.ModelSpec.dtype) and a plan compiles at: parameters, activations
+# and KV cache. Matrix products sum in float32, norms, softmax and the logits acceptance reads are
+# float32 in both (models/layers.py).
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def dtype_named(name: str):
+  """The jnp dtype of a DTYPES name; anything else is refused with the names."""
+  if name not in DTYPES:
+    raise ValueError(f"dtype {name!r} is not one a model decodes in; use one of "
+                     f"{', '.join(map(repr, DTYPES))}")
+  return DTYPES[name]
+
+
+def cast(params, dtype):
+  """The floating leaves of a params tree in `dtype` (integer leaves, e.g. token ids, keep theirs)."""
+  return jax.tree_util.tree_map(
+      lambda leaf: leaf.astype(dtype) if jnp.issubdtype(leaf.dtype, jnp.floating)
+      and leaf.dtype != dtype else leaf, params)
 
 
 def config_by_name(name: str):

@@ -24,6 +24,12 @@ MLP_ACTIVATIONS = (axes.BATCH, axes.LENGTH, axes.MLP)
 LOGITS = (axes.BATCH, axes.LENGTH, axes.VOCAB)
 
 
+def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """x[..., in] @ kernel[in, out], summed in float32 and returned in x's dtype: bfloat16 activations
+  keep float32 accumulation (in float32 this is the plain product)."""
+  return jnp.matmul(x, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def param(module: nn.Module, name: str, shape, logical_axes, init=None, dtype=jnp.float32):
   """module.param with logical axis names (for sharding.py); normal(0.02) unless `init` says."""
   init = init or nn.initializers.normal(stddev=0.02)
@@ -65,8 +71,8 @@ class GatedMLP(nn.Module):
     w_up = param(self, "w_up", (embed, self.hidden_dim), (axes.EMBED, axes.MLP))
     w_down = param(self, "w_down", (self.hidden_dim, embed), (axes.MLP, axes.EMBED))
     act = {"silu": jax.nn.silu, "gelu": lambda v: jax.nn.gelu(v, approximate=True)}[self.activation]
-    hidden = sharding.constrain(act(x @ w_gate) * (x @ w_up), MLP_ACTIVATIONS, self.mesh)
-    return hidden @ w_down
+    hidden = sharding.constrain(act(dense(x, w_gate)) * dense(x, w_up), MLP_ACTIVATIONS, self.mesh)
+    return dense(hidden, w_down)
 
 
 class CachedAttention(nn.Module):
@@ -95,22 +101,24 @@ class CachedAttention(nn.Module):
     wk = param(self, "wk", (embed, kv * d), (axes.EMBED, axes.KV_HEADS))
     wv = param(self, "wv", (embed, kv * d), (axes.EMBED, axes.KV_HEADS))
     wo = param(self, "wo", (h * d, embed), (axes.HEADS, axes.EMBED))
-    q = rope((x @ wq).reshape(batch, steps, h, d), positions, self.rope_theta)
+    q = rope(dense(x, wq).reshape(batch, steps, h, d), positions, self.rope_theta)
     q = sharding.constrain(q, HEAD_ACTIVATIONS, self.mesh)
-    k = rope((x @ wk).reshape(batch, steps, kv, d), positions, self.rope_theta)
-    v = (x @ wv).reshape(batch, steps, kv, d)
+    k = rope(dense(x, wk).reshape(batch, steps, kv, d), positions, self.rope_theta)
+    v = dense(x, wv).reshape(batch, steps, kv, d)
     slots = positions if slots is None else slots
     keys = sharding.constrain(kv_cache.write(keys, k, slots), kv_cache.LOGICAL_AXES, self.mesh)
     values = sharding.constrain(kv_cache.write(values, v, slots), kv_cache.LOGICAL_AXES, self.mesh)
     q = q.reshape(batch, steps, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype)) * (d ** -0.5)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype),
+                        preferred_element_type=jnp.float32) * (d ** -0.5)
     if visible is None:
       visible = kv_cache.attention_mask(positions, keys.shape[1])
     mask = visible[:, None, None]
     scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, values.astype(x.dtype))
-    return out.reshape(batch, steps, h * d) @ wo, keys, values
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, values.astype(x.dtype),
+                     preferred_element_type=jnp.float32).astype(x.dtype)
+    return dense(out.reshape(batch, steps, h * d), wo), keys, values
 
 
 def tapped(features, after: dict, final: jax.Array) -> jax.Array:

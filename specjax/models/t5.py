@@ -133,13 +133,18 @@ def relative_position_bucket(relative_position, bidirectional: bool, num_buckets
 
 
 class _Dense(nn.Module):
-  """x[..., in] @ kernel[in, features] (no bias)."""
+  """x[..., in] @ kernel[in, features] (no bias), summed in float32; returned in x's dtype, or in
+  float32 with `float32_out` (the logits, which acceptance reads)."""
   features: int
   logical_axes: tuple
+  float32_out: bool = False
 
   @nn.compact
   def __call__(self, x):
-    return x @ param(self, "kernel", (x.shape[-1], self.features), self.logical_axes)
+    kernel = param(self, "kernel", (x.shape[-1], self.features), self.logical_axes)
+    if self.float32_out:
+      return jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
+    return layers.dense(x, kernel)
 
 
 class _Module(nn.Module):
@@ -203,12 +208,14 @@ class _Attention(_Module):
     No 1/sqrt(head_dim) on the logits: T5 folds it into the query init.
     """
     q = self._heads(self.query(x))
-    scores = jnp.einsum("bthd,bshd->bhts", q, keys.astype(q.dtype)).astype(jnp.float32)
+    scores = jnp.einsum("bthd,bshd->bhts", q, keys.astype(q.dtype),
+                        preferred_element_type=jnp.float32)
     if bias is not None:
       scores = scores + bias
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bhts,bshd->bthd", weights, values.astype(x.dtype))
+    out = jnp.einsum("bhts,bshd->bthd", weights, values.astype(x.dtype),
+                     preferred_element_type=jnp.float32).astype(x.dtype)
     return self.out(out.reshape(*x.shape[:-1], -1))
 
 
@@ -290,7 +297,7 @@ class _Decoder(_Module):
     self.layers = [_DecoderLayer(cfg, self.mesh) for _ in range(cfg.num_decoder_layers)]
     self.decoder_norm = RMSNorm(cfg.norm_eps)
     if not cfg.tie_embeddings:
-      self.logits_dense = _Dense(cfg.vocab_size, (axes.EMBED, axes.VOCAB))
+      self.logits_dense = _Dense(cfg.vocab_size, (axes.EMBED, axes.VOCAB), float32_out=True)
 
   def cross_kv(self, encoded):
     """encoded[B, S, E] -> (keys, values): tuples with one [B, S, H, D] array per layer."""
@@ -321,7 +328,8 @@ class _Decoder(_Module):
         after[i] = x
     y = self.decoder_norm(x)
     if cfg.tie_embeddings:
-      logits = jnp.einsum("bte,ve->btv", y, embedding) * cfg.embed_dim ** -0.5
+      logits = jnp.einsum("bte,ve->btv", y, embedding,
+                          preferred_element_type=jnp.float32) * cfg.embed_dim ** -0.5
     else:
       logits = self.logits_dense(y)
     logits = self.constrain(logits.astype(jnp.float32), layers.LOGITS)

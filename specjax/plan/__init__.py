@@ -53,7 +53,7 @@ from specjax.plan import workload as workload_lib
 from specjax.models import kv_cache, t5
 
 GIB = devices_lib.GIB
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = models.DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,8 @@ class PlanSpec:
   target_size / draft_sizes: architecture names (specjax.models.SIZES) for checkpoints that cannot be
     read here (placeholders, remote paths); draft_sizes follow the config's model drafters in order.
   topology: a TPU slice ("v4-8", "v5p-64", "v4:2x2x1"); None plans on this machine's devices.
-  dtypes: parameter and cache dtypes to plan ("float32", "bfloat16").
+  dtypes: parameter, activation and cache dtypes to plan ("float32", "bfloat16"); None plans the
+    one the run decodes in (specs.ModelSpec.dtype).
   memory_gib: per-device memory to fit in; None takes the TPU's HBM (no verdict on CPU).
   prompt_length: the padded prompt (T5: source) length; None takes the config's max_prompt_length,
     the longest input the run accepts.
@@ -73,7 +74,7 @@ class PlanSpec:
   target_size: str | None = None
   draft_sizes: tuple = ()
   topology: str | None = None
-  dtypes: tuple = ("float32", "bfloat16")
+  dtypes: tuple | None = None
   memory_gib: float | None = None
   prompt_length: int | None = None
   strict_sharding: bool = False
@@ -362,7 +363,7 @@ def run_plan(job, spec: PlanSpec = PlanSpec(), output_dir: str | None = None) ->
     devices = devices_lib.local_devices()
   memory = None if spec.memory_gib is None else int(spec.memory_gib * GIB)
   results, text = [], []
-  for dtype_name in spec.dtypes:
+  for dtype_name in spec.dtypes or (workload.dtype,):
     result = plan(workload, devices, dtype_name, memory, spec.strict_sharding, spec.programs)
     results.append(result)
     text.append(report.markdown(workload, result))

@@ -31,6 +31,7 @@ class Workload:
   gamma: int  # 0: no model draft, the autoregressive loop is planned
   top_k: int = 0
   skipped: tuple = ()  # drafters without a model (tables, lookup): nothing to plan
+  dtype: str = "float32"  # the run's specs.ModelSpec.dtype: what a plan compiles at by default
 
 
 class MissingCheckpoint(FileNotFoundError, ValueError):
@@ -118,4 +119,5 @@ def of_job(job, target_size: str | None = None, draft_sizes: tuple = (),
       target=target, drafts=tuple(drafts), mesh_shape=mesh_shape,
       batch=batch, prompt_length=prompt_length or prompts.max_prompt_length,
       max_new_tokens=decode.max_new_tokens, gamma=gamma if drafts else 0, top_k=decode.top_k,
-      skipped=tuple(name for name in drafter_names if name not in model_drafters))
+      skipped=tuple(name for name in drafter_names if name not in model_drafters),
+      dtype=target_spec.dtype_name)
