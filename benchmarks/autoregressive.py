@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 import common
-from specjax import assets, loading
+from specjax import assets, loading, timing
 from specjax.decoding import autoregressive
 from specjax.data import prompts as prompt_sets
 
@@ -49,7 +49,7 @@ def main():
     peer = transformers.AutoModelForCausalLM.from_pretrained(
         pathlib.Path(path).parent, gguf_file=pathlib.Path(path).name, torch_dtype=torch.float32).eval()
 
-  bandwidth = common.memory_bandwidth_gbps()
+  bandwidth = timing.read_bandwidth_gbps()
   weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
   rows = []
   for batch in batches:
@@ -58,7 +58,7 @@ def main():
     shape = autoregressive.DecodeShape(args.new_tokens, eos_id=None)
     generate = autoregressive.make_generate(target.model, shape)
     run = lambda: jax.block_until_ready(generate(params, prompts, lengths, jax.random.PRNGKey(0), 0.0, 1.0))
-    ours_s, ours_all = common.median_seconds(run, args.repeats)
+    ours_s, ours_all = timing.median_seconds(run, args.repeats)
     ours_tokens = np.asarray(run().tokens)
     mean_length = args.prompt_tokens + args.new_tokens / 2
     cache_bytes = (2 * config.num_layers * batch * mean_length * config.num_kv_heads * config.head_dim * 4)
@@ -75,7 +75,7 @@ def main():
           return peer.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
                                max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                pad_token_id=tok.pad_id)
-      peer_s, peer_all = common.median_seconds(peer_run, args.repeats)
+      peer_s, peer_all = timing.median_seconds(peer_run, args.repeats)
       peer_tokens = peer_run()[:, args.prompt_tokens:].numpy()
       row.update({"hf_tokens_per_s": batch * args.new_tokens / peer_s, "hf_runs_s": peer_all,
                   "speedup_vs_hf": peer_s / ours_s,

@@ -1,5 +1,5 @@
-"""Shared benchmark plumbing: held-out prompts, fresh drafter states, bandwidth probe, result files.
-Timing itself lives in specjax.timing (median_seconds, step_seconds, ...)."""
+"""Shared benchmark plumbing: held-out prompts, fresh drafter states, result files.
+Timing itself lives in specjax.timing (median_seconds, step_seconds, read_bandwidth_gbps, ...)."""
 
 from __future__ import annotations
 
@@ -7,19 +7,9 @@ import json
 import pathlib
 
 import jax
-import jax.numpy as jnp
 
 from specjax import loading
 from specjax.data import prompts as prompt_sets
-from specjax.timing import median_seconds
-
-
-def memory_bandwidth_gbps(megabytes: int = 512, repeats: int = 7) -> float:
-  """Read bandwidth as XLA sees it: a jitted sum over a buffer far larger than the caches."""
-  data = jnp.ones((megabytes * 1024 * 1024 // 4,), jnp.float32)
-  reduce = jax.jit(lambda x: jnp.sum(x))
-  seconds, _ = median_seconds(lambda: reduce(data).block_until_ready(), repeats)
-  return data.nbytes / seconds / 1e9
 
 
 def write_results(name: str, rows: list[dict], markdown: str, meta: dict) -> pathlib.Path:

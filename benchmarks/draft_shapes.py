@@ -64,7 +64,7 @@ import numpy as np
 
 import common
 from common import fresh_state
-from specjax import contracts, loading, theory
+from specjax import contracts, loading, theory, timing
 from specjax.decoding import sampling
 from specjax.drafters.model import ModelDrafter
 from specjax.timing import draft_step, median_seconds, one_token, step_seconds
@@ -189,7 +189,7 @@ def main():
   max_length = prompt_len + NEW_TOKENS + MAX_V_GAMMA + 1
   target_step = decoder_only.make_step(config)
   target = ModelDrafter(loaded.model)
-  bandwidth = common.memory_bandwidth_gbps()
+  bandwidth = timing.read_bandwidth_gbps()
   print(f"prompt {keys[0]} padded to {prompt_len}, cache {max_length} slots, read bandwidth "
         f"{bandwidth:.1f} GB/s; setup {time.perf_counter() - started:.0f}s", flush=True)
 

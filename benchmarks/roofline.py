@@ -134,7 +134,7 @@ def main():
   tokens = [int(t) for t in args.tokens.split(",")]
   rows = [int(r) for r in args.rows.split(",")]
 
-  bandwidth = common.memory_bandwidth_gbps(repeats=args.repeats)
+  bandwidth = timing.read_bandwidth_gbps(repeats=args.repeats)
   peer = None if args.no_peer else peer_seconds(rows, args.repeats)
   matmul = []
   for dtype in DTYPES:

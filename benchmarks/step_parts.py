@@ -62,7 +62,7 @@ def main():
       seconds[key].append(timing.timed_rounds(timer, params, fresh, *inputs, args.repeats, 1))
   ms = {key: 1000 * statistics.median(values) for key, values in seconds.items()}
 
-  bandwidth = common.memory_bandwidth_gbps(repeats=args.repeats)
+  bandwidth = timing.read_bandwidth_gbps(repeats=args.repeats)
   mlp_bytes = sum(leaf.nbytes for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
                   if "mlp" in jax.tree_util.keystr(path))
   all_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params))

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 import common
-from specjax import contracts
+from specjax import contracts, timing
 from specjax.decoding import autoregressive
 from specjax.checkpoints import hf_t5
 from specjax.models import t5
@@ -61,7 +61,7 @@ def main():
                 contracts.Source(source, lengths))
       compiled = generate.lower(*inputs).compile()
       ours = lambda: jax.block_until_ready(compiled(*inputs))
-      ours_s, ours_runs = common.median_seconds(ours, args.repeats)
+      ours_s, ours_runs = timing.median_seconds(ours, args.repeats)
       ours_tokens = np.asarray(ours().tokens)
       row = {"size": size, "batch": batch, "specjax_tokens_per_s": batch * args.new_tokens / ours_s,
              "specjax_runs_s": ours_runs}
@@ -74,7 +74,7 @@ def main():
                                  do_sample=False, max_new_tokens=args.new_tokens,
                                  min_new_tokens=args.new_tokens, decoder_start_token_id=0,
                                  pad_token_id=0, eos_token_id=1)
-        peer_s, peer_runs = common.median_seconds(peer_run, args.repeats)
+        peer_s, peer_runs = timing.median_seconds(peer_run, args.repeats)
         peer_tokens = peer_run()[:, 1:].numpy()
         row.update(hf_tokens_per_s=batch * args.new_tokens / peer_s, hf_runs_s=peer_runs,
                    speedup=peer_s / ours_s,

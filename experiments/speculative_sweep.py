@@ -101,6 +101,13 @@ class StepCosts:
         / self.step_ms["target"] for gamma in grid.all_gammas()}
     logging.info("verification cost v_gamma (target steps): %s",
                  {k: round(v, 2) for k, v in self.verify_cost.items()})
+    # The floor of a target step: its weights' bytes over the read bandwidth measured here (a step
+    # scoring up to ~8 tokens is bound by that read on CPUs: docs/results.md, the roofline).
+    self.bandwidth_gbps = timing.read_bandwidth_gbps()
+    weight_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(target.params))
+    self.target_floor_ms = 1000 * weight_bytes / (self.bandwidth_gbps * 1e9)
+    logging.info("target step %.1f ms, its floor %.1f ms (%.0f MB at %.1f GB/s)",
+                 self.step_ms["target"], self.target_floor_ms, weight_bytes / 1e6, self.bandwidth_gbps)
 
   def _timed(self, step_fn, drafter, params, width: int) -> float:
     """ms of one jitted step on `width` tokens after the probe prompt: the median of 3 medians of 9
@@ -137,6 +144,7 @@ def measure_point(bench: measure.Bench, costs: StepCosts, repeats: int, point: d
           "baseline_decode_ms_per_token", "speculative_decode_ms_per_token", "decode_speedup",
           "decode_timing", "outputs_match_baseline", "prompts")},
       "target_step_ms": costs.step_ms["target"], "draft_step_ms": costs.step_ms[name], "c": c,
+      "target_step_floor_ms": costs.target_floor_ms, "read_bandwidth_gbps": costs.bandwidth_gbps,
       "predicted_speedup": float(theory.walltime_improvement(alpha, gamma, c)),
       "verify_cost": verify_cost,
       "predicted_speedup_with_verify_cost": float(

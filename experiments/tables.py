@@ -229,7 +229,9 @@ def leviathan_table2(rows: list[dict]) -> Table:
     from_costs = mean(num(r, "predicted_speedup_from_costs") for r in grp)
     paper = "; ".join(f"{p[0]} {p[1]}: alpha {p[4]:.2f}, expected {p[5]:.1f}x, measured {p[6]:.1f}x"
                       for p in _leviathan_rows(task, drafter, temp, truncated(grp[0])) if p[3] == gamma)
+    step, floor = (mean(num(r, key) for r in grp) for key in ("target_step_ms", "target_step_floor_ms"))
     body.append((task, target, drafter, label, gamma, mean(num(r, "alpha") for r in grp),
+                 None if step is None else f"{step:.1f}" + ("" if floor is None else f" ({floor:.1f})"),
                  mean(num(r, "c") for r in grp), mean(num(r, "verify_cost") for r in grp), expected,
                  with_v, measured, decode,
                  decode / with_v if with_v and decode is not None else None, from_costs,
@@ -239,7 +241,8 @@ def leviathan_table2(rows: list[dict]) -> Table:
       "leviathan_table2", "Leviathan Tables 2 and 4 form: alpha, expected and measured speedup",
       "Leviathan et al. 2022, Table 2 (task, draft, temp, gamma, alpha, speedup) and Table 4 "
       "(alpha, expected speedup by Thm 3.8, measured speedup)",
-      _LEAD + [("gamma", "{:d}"), ("alpha", "{:.2f}"), ("c", "{:.3f}"), ("v", "{:.2f}"),
+      _LEAD + [("gamma", "{:d}"), ("alpha", "{:.2f}"), ("target step ms (floor)", None),
+               ("c", "{:.3f}"), ("v", "{:.2f}"),
                ("expected (Thm 3.8)", "{:.2f}x"), ("expected with v", "{:.2f}x"),
                ("speedup end to end", "{:.2f}x"), ("decode speedup", "{:.2f}x"),
                ("decode / expected with v", "{:.2f}"), ("expected from costs", "{:.2f}x"),
@@ -247,7 +250,9 @@ def leviathan_table2(rows: list[dict]) -> Table:
                (PAPER_LABEL, None)], body,
       "c = draft step ms / target step ms and v = the target scoring gamma + 1 tokens in one-token "
       "steps, both measured on this hardware (the paper profiled c = 0.02 / 0.04 / 0.11 for "
-      "T5-small / base / large and assumed v = 1). Expected with v = Thm 3.8 with v in place of 1. "
+      "T5-small / base / large and assumed v = 1). Target step ms (floor): its one-token step, and "
+      "in brackets the least it could take, its weights' bytes over the read bandwidth measured in "
+      "the run (a step of up to ~8 tokens is bound by that read: v could be about 1). Expected with v = Thm 3.8 with v in place of 1. "
       "Expected from costs = Eq. 1's tokens per iteration over the iteration's measured parts (gamma "
       "draft calls, verification, accept / commit / roll back) in baseline decode steps "
       "(theory.speedup_from_costs). Speedup end to end includes the prompt's prefill; decode speedup leaves it out, as Thm 3.8 "

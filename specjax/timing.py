@@ -37,6 +37,15 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1
   return statistics.median(times), times
 
 
+def read_bandwidth_gbps(megabytes: int = 512, repeats: int = 7) -> float:
+  """Read bandwidth as XLA sees it: a jitted sum over a buffer far larger than the caches (the floor
+  of a decode step is its weights' bytes over this)."""
+  data = jnp.ones((megabytes * 1024 * 1024 // 4,), jnp.float32)
+  reduce = jax.jit(jnp.sum)
+  seconds, _ = median_seconds(lambda: reduce(data).block_until_ready(), repeats)
+  return data.nbytes / seconds / 1e9
+
+
 def time_prompts(run_one, prompts, repeats: int, warmup: int) -> tuple[np.ndarray, list]:
   """Each prompt's wall time, the median over `repeats` passes over all prompts (after `warmup`
   untimed runs on the first prompt); run_one must block. Returns (seconds[N], the last pass's

@@ -94,7 +94,8 @@ def test_leviathan_table2_values_and_paper_column(results):
   assert body_row(t, draft="bigram", temp="greedy")["expected (Thm 3.8)"] == 1.25  # engine's own
   md = t.markdown()
   assert "Leviathan et al. 2022, Table 2" in md and tables.PAPER_LABEL in md
-  assert "| ende | smollm2-135m | model:draft-wide | greedy | 7 | 0.70 | 0.050 | — | " in md
+  assert r["target step ms (floor)"] == "20.0"  # rows from before the floor was recorded
+  assert "| ende | smollm2-135m | model:draft-wide | greedy | 7 | 0.70 | 20.0 | 0.050 | — | " in md
   assert "| 2.10x |" in md
 
 
@@ -108,6 +109,12 @@ def test_leviathan_table2_decode_speedup_against_thm38_with_verify_cost():
   got = body_row(tables.leviathan_table2([{**r, "predicted_speedup_from_costs": 1.6}]), gamma=4)
   assert got["expected from costs"] == 1.6
   assert got["decode / expected from costs"] == pytest.approx(1.9 / 1.6)
+  # The target's step beside its floor (weights' bytes over the run's read bandwidth)
+  got = body_row(tables.leviathan_table2([{**r, "target_step_ms": 27.34}]), gamma=4)
+  assert got["target step ms (floor)"] == "27.3"  # rows from before the floor was recorded
+  got = body_row(tables.leviathan_table2([{**r, "target_step_ms": 27.34,
+                                           "target_step_floor_ms": 18.46}]), gamma=4)
+  assert got["target step ms (floor)"] == "27.3 (18.5)"
 
 
 def test_best_gamma(results):

@@ -5,9 +5,10 @@ import pathlib
 import re
 
 import gin
+import jax
 import pytest
 
-from specjax import outputs, run
+from specjax import checkpoints, outputs, run
 
 CONFIG_DIR = pathlib.Path(__file__).parent.parent / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("**/*.gin"))
@@ -104,6 +105,8 @@ def test_smoke_sweep_writes_rows_tables_and_plots(tmp_path, smollm2_two_blocks):
   """The main job's sweep end to end on a 2-block SmolLM2 (the notebook's test runs it on the whole
   model): rows, tables, plots, resuming, and refusing rows measured another way."""
   rows = _tiny_sweep(tmp_path, target=smollm2_two_blocks)
+  weight_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(
+      checkpoints.load(smollm2_two_blocks)[1]))
   # 2 temperatures lossless + 2 at l = 0.5, all of one gamma: one compiled loop and one part timer
   # serve every point (temperature and lenience are traced)
   assert len(rows) == 4
@@ -112,10 +115,14 @@ def test_smoke_sweep_writes_rows_tables_and_plots(tmp_path, smollm2_two_blocks):
     assert 1.0 <= row["tokens_per_target_call"] <= row["gamma"] + 1
     assert sorted(row["iteration_ms"]) == ["accept", "draft", "verify"]
     assert min(row["iteration_ms"].values()) > 0 and row["predicted_speedup_from_costs"] > 0
+    assert row["read_bandwidth_gbps"] > 0 and row["target_step_floor_ms"] == pytest.approx(
+        1000 * weight_bytes / (row["read_bandwidth_gbps"] * 1e9), rel=1e-6)
     if row["temperature"] == 0.0 and row["lenience"] == 1.0:
       assert row["outputs_match_baseline"] is True  # greedy speculative == greedy baseline
   assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
   assert "alpha" in (tmp_path / "tables.md").read_text()
+  step, floor = rows[0]["target_step_ms"], rows[0]["target_step_floor_ms"]
+  assert f"{step:.1f} ({floor:.1f})" in (tmp_path / "tables.md").read_text()
   assert (tmp_path / "speedup_vs_gamma.png").stat().st_size > 1000
   gin.clear_config()
   assert len(_tiny_sweep(tmp_path, target=smollm2_two_blocks)) == 4  # a rerun resumes: nothing measured twice, no new rows
