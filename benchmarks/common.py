@@ -11,10 +11,14 @@ import jax
 from specjax import loading
 from specjax.data import prompts as prompt_sets
 
+RESULTS = pathlib.Path(__file__).parent / "results"
 
-def write_results(name: str, rows: list[dict], markdown: str, meta: dict) -> pathlib.Path:
-  out = pathlib.Path(__file__).parent / "results"
-  out.mkdir(exist_ok=True)
+
+def write_results(name: str, rows: list[dict], markdown: str, meta: dict,
+                  directory: pathlib.Path | str = RESULTS) -> pathlib.Path:
+  """{name}.json ({"meta", "rows"}) and {name}.md in `directory` (default benchmarks/results)."""
+  out = pathlib.Path(directory)
+  out.mkdir(parents=True, exist_ok=True)
   (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
   (out / f"{name}.md").write_text(markdown + "\n")
   return out
@@ -30,7 +34,8 @@ def load_prompts(target: loading.LoadedModel, count: int, name: str = "humaneval
            for i in range(len(heldout))], list(heldout.keys))
 
 
-def fresh_state(drafter, params, prompt, max_length: int):
-  """A drafter's state after its prefill on a batch-1 (tokens, lengths) prompt."""
+def fresh_state(drafter, params, prompt, max_length: int, source=None):
+  """A drafter's state after its prefill on a batch-1 (tokens, lengths) prompt (for an
+  encoder-decoder model, the decoder prompt, with the encoder's input as `source`)."""
   tokens, lengths = prompt
-  return jax.jit(drafter.init, static_argnums=3)(params, tokens, lengths, max_length)
+  return jax.jit(drafter.init, static_argnums=3)(params, tokens, lengths, max_length, source)

@@ -38,11 +38,19 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1
 
 
 def read_bandwidth_gbps(megabytes: int = 512, repeats: int = 7) -> float:
-  """Read bandwidth as XLA sees it: a jitted sum over a buffer far larger than the caches (the floor
-  of a decode step is its weights' bytes over this)."""
+  """Read bandwidth of the default device as XLA sees it (the floor of a decode step is its weights'
+  bytes over this): a sum over a buffer far larger than the caches, chained as `chained_timer`
+  chains steps. A single jitted sum per call would count a dispatch per pass: on an accelerator
+  that reads 512 MB in about a tenth of a millisecond, the dispatch would be most of the time. Each
+  pass sums the buffer times the pass's number, so XLA cannot hoist the sum out of the loop
+  (`varying`'s select ran at 1.5 GB/s on XLA:CPU where a product fused into the sum reads at the
+  plain sum's 23-25 GB/s)."""
   data = jnp.ones((megabytes * 1024 * 1024 // 4,), jnp.float32)
-  reduce = jax.jit(jnp.sum)
-  seconds, _ = median_seconds(lambda: reduce(data).block_until_ready(), repeats)
+
+  def read(data, step, _tokens, _positions):
+    total = jnp.sum(data * (step + 1).astype(data.dtype))
+    return (total > 0).astype(jnp.int32), step + 1
+  seconds = step_seconds(read, data, jnp.zeros((), jnp.int32), None, None, repeats)
   return data.nbytes / seconds / 1e9
 
 

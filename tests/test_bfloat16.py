@@ -16,7 +16,6 @@ import pytest
 
 from conftest import assert_follows_laws, random_decoder_params, random_t5_params
 from specjax import contracts, loading, models, specs
-from specjax.checkpoints import hf
 from specjax.decoding import autoregressive, core
 from specjax.decoding.tree import Tree
 from specjax.drafters import expansion, registry

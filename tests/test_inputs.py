@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 from conftest import generation_gin, random_decoder_params, tiny_t5_files, write_llama_gguf
 from specjax import checkpoints, launch, loading, outputs, run, specs, tokenizer, validation
 from specjax import vocabulary as vocabularies
-from specjax.checkpoints import gguf, hf_t5
+from specjax.checkpoints import gguf
 from specjax.data import prompts
 from specjax.decoding.tree import Tree
-from specjax.models import decoder_only, t5
+from specjax.models import decoder_only
 
 
 @pytest.fixture(scope="module")
