@@ -67,6 +67,17 @@ ASSETS: dict[str, Asset] = {
     "django_de_po": Asset(
         "django", "conf/locale/de/LC_MESSAGES/django.po", "django==5.2.19",
         "Django's German gettext catalog (BSD-3-Clause)"),
+    # Held out for evaluation by the catalogs_ende task (specjax.data.catalogs): each package's
+    # German catalogs are read from its directory; the file named is one that must be there.
+    "wagtail_de_po": Asset(
+        "wagtail", "admin/locale/de/LC_MESSAGES/django.po", "wagtail==8.0.1",
+        "Wagtail's German gettext catalogs (BSD-3-Clause)"),
+    "allauth_de_po": Asset(
+        "allauth", "locale/de/LC_MESSAGES/django.po", "django-allauth==65.22.1",
+        "django-allauth's German gettext catalog (MIT)"),
+    "sphinx_de_po": Asset(
+        "sphinx", "locale/de/LC_MESSAGES/sphinx.po", "sphinx==9.0.4",
+        "Sphinx's German gettext catalogs (BSD-2-Clause)"),
 }
 
 

@@ -15,6 +15,8 @@ VALIDATION_PERCENT (3) -> 'validation' (the training's validation loss), the res
 Tasks (the seqio wrappers in `specjax.data.seqio_tasks` yield exactly these examples):
   gettext_translate  every locale but English (train: the multilingual training set)
   gettext_ende       German only (heldout: the evaluation messages)
+  catalogs_ende      German from every catalog offline: Django's, the system's, and three held-out
+                     packages' (split 'heldout_catalogs'); read by `specjax.data.catalogs`
 No TensorFlow here: the training command and the embedded experiment read these directly.
 """
 
@@ -28,7 +30,7 @@ import pathlib
 from specjax import assets
 from specjax.data.splits import HELDOUT_PERCENT, hash_percent
 
-TASKS = ("gettext_translate", "gettext_ende")
+TASKS = ("gettext_translate", "gettext_ende", "catalogs_ende")
 SPLITS = ("train", "validation", "heldout")
 VALIDATION_PERCENT = 3
 EVALUATION_LOCALE = "de"
@@ -118,12 +120,25 @@ def check_task(task: str) -> None:
                      "(the seqio tasks, with TensorFlow, are listed by specjax.data.seqio_tasks.TASKS)")
 
 
+def task_splits(task: str) -> tuple[str, ...]:
+  """The splits of an offline task: SPLITS, and catalogs_ende's held-out packages' split too."""
+  check_task(task)
+  if task == "catalogs_ende":
+    from specjax.data import catalogs  # pylint: disable=import-outside-toplevel  # imports gettext
+    return catalogs.SPLITS
+  return SPLITS
+
+
 @functools.lru_cache(maxsize=None)
 def examples(task: str, split: str) -> tuple[dict, ...]:
-  """The task's examples {'inputs', 'targets', 'locale'} of one split, in gettext_pairs order."""
-  check_task(task)
-  if split not in SPLITS:
-    raise ValueError(f"unknown split {split!r} of {task}; splits: {list(SPLITS)}")
+  """The task's examples {'inputs', 'targets', 'locale'} of one split, in gettext_pairs order
+  (catalogs_ende: in `specjax.data.catalogs.catalog_pairs` order; its counts are logged)."""
+  if split not in task_splits(task):
+    raise ValueError(f"unknown split {split!r} of {task}; splits: {list(task_splits(task))}")
+  if task == "catalogs_ende":
+    from specjax.data import catalogs  # pylint: disable=import-outside-toplevel  # imports gettext
+    catalogs.log_counts()
+    return catalogs.examples(split)
   return tuple({"inputs": pair.inputs, "targets": pair.translation, "locale": pair.locale}
                for pair in gettext_pairs()
                if split_of(pair.message) == split

@@ -21,9 +21,10 @@ prefixes, so a public T5 checkpoint sees the inputs it was fine-tuned on):
                            highlights (joined by newlines).
   specjax_xsum             TFDS xsum:1.1.0; "summarize: " + document -> summary. TFDS cannot
                            download the articles: see `ManualDownloadError`.
-  specjax_gettext_translate, specjax_gettext_ende
+  specjax_gettext_translate, specjax_gettext_ende, specjax_catalogs_ende
                            `specjax.data.gettext.examples(...)` exactly, in their order (splits
-                           train / validation / heldout). BLEU metric.
+                           train / validation / heldout, and catalogs_ende's heldout_catalogs).
+                           BLEU metric.
 No metric for the summarization tasks: ROUGE's package is not among the dependencies.
 
 Tokenization is seqio's own (tensorflow-text's SentencePiece, in the graph). It breaks exact score
@@ -142,7 +143,8 @@ def register(vocabulary_path, extra_ids: int = 0, *,
   for name in GETTEXT_TASKS:
     seqio.TaskRegistry.add(
         name, source=seqio.FunctionDataSource(
-            functools.partial(_gettext_dataset, name[len(PREFIX):]), splits=gettext.SPLITS),
+            functools.partial(_gettext_dataset, name[len(PREFIX):]),
+            splits=gettext.task_splits(name[len(PREFIX):])),
         output_features=features, preprocessors=tokenize_then_eos(), metric_fns=[bleu])
   _registration = _Registration(path, extra_ids, data_dir)
   return TASKS
