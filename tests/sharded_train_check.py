@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 
 from specjax import checkpoints  # noqa: E402
 from specjax.training import trainer  # noqa: E402
-from specjax.data import gettext  # noqa: E402
+from specjax.data import tasks  # noqa: E402
 from specjax.training import seq2seq  # noqa: E402
 from specjax import vocabulary as vocabularies  # noqa: E402
 
@@ -28,7 +28,7 @@ def main():
   assert jax.device_count() == 8, jax.devices()
   out = tempfile.mkdtemp()
   vocab = f"{out}/spiece.model"
-  vocabularies.train(gettext.texts_for_vocabulary("gettext_ende"), vocab, 400)
+  vocabularies.train(tasks.texts_for_vocabulary("gettext_ende"), vocab, 400)
   task = seq2seq.TaskSpec(task="gettext_ende", vocabulary=vocab, max_input_length=32,
                         max_target_length=32)
   run = lambda name, mesh, **kw: seq2seq.train(output_dir=f"{out}/{name}", task=task, model=SHAPE,

@@ -12,7 +12,7 @@ import struct
 import pytest
 
 from specjax import assets
-from specjax.data import catalogs, gettext
+from specjax.data import catalogs, gettext, tasks
 from specjax.training import seq2seq
 
 TRAINED = ("train", "validation", "heldout")
@@ -71,7 +71,7 @@ def test_heldout_packages_are_never_trained_on():
   assert all(pair.source not in catalogs.HELDOUT_PACKAGES for split in TRAINED
              for pair in by_split[split])
   # What training and its vocabulary read: none of it is a held-out message.
-  vocabulary_texts = set(gettext.texts_for_vocabulary("catalogs_ende"))
+  vocabulary_texts = set(tasks.texts_for_vocabulary("catalogs_ende"))
   assert not {gettext.PREFIX.format(language="German") + text
               for text in heldout_english} & vocabulary_texts
 
@@ -165,12 +165,12 @@ def test_counts_and_task_wiring():
   assert all(table[source][catalogs.HELDOUT_SPLIT] > 100 for source in catalogs.HELDOUT_PACKAGES)
   assert table["django"]["train"] > 400 and sum(s.startswith("system:") for s in table) > 50
   assert sum(row["total"] for source, row in table.items() if source != "total") == total["total"]
-  assert gettext.task_splits("catalogs_ende") == catalogs.SPLITS
-  assert gettext.task_splits("gettext_ende") == gettext.SPLITS  # the existing tasks are unchanged
+  assert tasks.task_splits("catalogs_ende") == catalogs.SPLITS
+  assert tasks.task_splits("gettext_ende") == gettext.SPLITS  # the existing tasks are unchanged
   seq2seq.check_task("catalogs_ende")
   for split in catalogs.SPLITS:
-    examples = gettext.examples("catalogs_ende", split)
+    examples = tasks.examples("catalogs_ende", split)
     assert len(examples) == total[split]
     assert all(e["inputs"].startswith("translate English to German: ") for e in examples)
   with pytest.raises(ValueError, match="heldout_catalogs"):
-    gettext.examples("catalogs_ende", "test")
+    tasks.examples("catalogs_ende", "test")

@@ -2,7 +2,7 @@
 
 import collections
 
-from specjax.data import prompts, gettext
+from specjax.data import prompts, gettext, tasks
 
 
 def test_corpus_is_large_and_multilingual():
@@ -50,6 +50,6 @@ def test_splits_are_deterministic_and_disjoint_in_every_locale():
 def test_unknown_task_and_split_are_named():
   import pytest
   with pytest.raises(ValueError, match="offline tasks are"):
-    gettext.examples("gettext_klingon", "train")
+    tasks.examples("gettext_klingon", "train")
   with pytest.raises(ValueError, match="splits"):
-    gettext.examples("gettext_ende", "test")
+    tasks.examples("gettext_ende", "test")

@@ -18,7 +18,7 @@ import textwrap
 import pytest
 
 from specjax import vocabulary
-from specjax.data import gettext, seqio_tasks
+from specjax.data import gettext, seqio_tasks, tasks
 
 EOS = 1
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def vocab(tmp_path_factory):
   path = tmp_path_factory.mktemp("seqio_vocabulary") / "spiece.model"
-  return vocabulary.train(gettext.texts_for_vocabulary("gettext_ende"), path, vocab_size=500)
+  return vocabulary.train(tasks.texts_for_vocabulary("gettext_ende"), path, vocab_size=500)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_sequence_length_trims_before_eos(libs, vocab):
 
 def test_registering_another_vocabulary_replaces_the_tasks(libs, vocab, tmp_path):
   seqio = libs.seqio
-  other = vocabulary.train(gettext.texts_for_vocabulary("gettext_ende"),
+  other = vocabulary.train(tasks.texts_for_vocabulary("gettext_ende"),
                            tmp_path / "spiece.model", vocab_size=200)
   source = gettext.examples("gettext_ende", "validation")[0]
   assert other.encode(source["inputs"]) != vocab.encode(source["inputs"])

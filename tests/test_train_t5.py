@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specjax import checkpoints
-from specjax.data import gettext
+from specjax.data import tasks
 from specjax.training import seq2seq_steps, seq2seq, trainer
 from specjax import vocabulary as vocabularies
 from specjax.models import t5
@@ -23,7 +23,7 @@ SPEC = trainer.TrainSpec(steps=30, tokens_per_batch=512, learning_rate=1e-2, war
 @pytest.fixture(scope="module")
 def vocabulary_path(tmp_path_factory):
   path = tmp_path_factory.mktemp("vocab") / "spiece.model"
-  vocabularies.train(gettext.texts_for_vocabulary("gettext_ende"), path, 400)
+  vocabularies.train(tasks.texts_for_vocabulary("gettext_ende"), path, 400)
   return str(path)
 
 
@@ -131,7 +131,7 @@ def test_bad_input_is_refused_with_the_fix(tmp_path, vocabulary_path):
   # Another vocabulary (here one with more ids than the model has logits), refused up front by the
   # check every path shares (loading.check_same_vocabulary).
   bigger = tmp_path / "bigger.model"
-  vocabularies.train(gettext.texts_for_vocabulary("gettext_ende"), bigger, 600)
+  vocabularies.train(tasks.texts_for_vocabulary("gettext_ende"), bigger, 600)
   with pytest.raises(ValueError, match=r"init_checkpoint .* was trained with another vocabulary "
                                        r"\(.*400 pieces\) than TaskSpec.vocabulary .*600 pieces"):
     _train(tmp_path / "c", vocabulary_path, task=_task(str(bigger)), init_checkpoint=base)
@@ -173,7 +173,7 @@ def test_distilled_draft_agrees_more_with_its_teacher(tmp_path, vocabulary_path)
   for summary in (plain, distilled):
     assert summary["validation_after"]["loss"] < summary["validation_before"]["loss"] - 1.0
   other = tmp_path / "other.model"
-  vocabularies.train(gettext.texts_for_vocabulary("gettext_ende"), other, 300)
+  vocabularies.train(tasks.texts_for_vocabulary("gettext_ende"), other, 300)
   with pytest.raises(ValueError, match="another vocabulary .* set TaskSpec.vocabulary to .* the vocabulary the teacher was trained with"):
     seq2seq.train(output_dir=str(tmp_path / "mismatch"), **{**common, "task": _task(str(other))},
                 teacher=str(tmp_path / "teacher" / "hf"))

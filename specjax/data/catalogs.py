@@ -158,7 +158,7 @@ def catalog_pairs() -> tuple[CatalogPair, ...]:
 
 def examples(split: str) -> tuple[dict, ...]:
   """The task's examples {'inputs', 'targets', 'locale'} of one split, in catalog_pairs order (what
-  gettext.examples('catalogs_ende', split) returns)."""
+  tasks.examples('catalogs_ende', split) returns)."""
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r} of {TASK}; splits: {list(SPLITS)}")
   return tuple({"inputs": pair.inputs, "targets": pair.german, "locale": pair.locale}

@@ -12,11 +12,10 @@ training. The rule is `hash_percent(english)`: below HELDOUT_PERCENT (20) -> 'he
 same rule as the `ende` prompt set, whose held-out prompts are therefore held out here too), the next
 VALIDATION_PERCENT (3) -> 'validation' (the training's validation loss), the rest -> 'train'.
 
-Tasks (the seqio wrappers in `specjax.data.seqio_tasks` yield exactly these examples):
+Tasks (the seqio wrappers in `specjax.data.seqio_tasks` yield exactly these examples; every offline
+task, `catalogs_ende` included, is named in `specjax.data.tasks`):
   gettext_translate  every locale but English (train: the multilingual training set)
   gettext_ende       German only (heldout: the evaluation messages)
-  catalogs_ende      German from every catalog offline: Django's, the system's, and three held-out
-                     packages' (split 'heldout_catalogs'); read by `specjax.data.catalogs`
 No TensorFlow here: the training command and the embedded experiment read these directly.
 """
 
@@ -30,7 +29,7 @@ import pathlib
 from specjax import assets
 from specjax.data.splits import HELDOUT_PERCENT, hash_percent
 
-TASKS = ("gettext_translate", "gettext_ende", "catalogs_ende")
+TASKS = ("gettext_translate", "gettext_ende")
 SPLITS = ("train", "validation", "heldout")
 VALIDATION_PERCENT = 3
 EVALUATION_LOCALE = "de"
@@ -116,40 +115,20 @@ def gettext_pairs() -> tuple[Pair, ...]:
 
 def check_task(task: str) -> None:
   if task not in TASKS:
-    raise ValueError(f"unknown offline task {task!r}; specjax's offline tasks are {list(TASKS)} "
-                     "(the seqio tasks, with TensorFlow, are listed by specjax.data.seqio_tasks.TASKS)")
-
-
-def task_splits(task: str) -> tuple[str, ...]:
-  """The splits of an offline task: SPLITS, and catalogs_ende's held-out packages' split too."""
-  check_task(task)
-  if task == "catalogs_ende":
-    from specjax.data import catalogs  # pylint: disable=import-outside-toplevel  # imports gettext
-    return catalogs.SPLITS
-  return SPLITS
+    raise ValueError(f"unknown gettext task {task!r}; its tasks are {list(TASKS)} (every offline "
+                     "task: specjax.data.tasks.TASKS)")
 
 
 @functools.lru_cache(maxsize=None)
 def examples(task: str, split: str) -> tuple[dict, ...]:
-  """The task's examples {'inputs', 'targets', 'locale'} of one split, in gettext_pairs order
-  (catalogs_ende: in `specjax.data.catalogs.catalog_pairs` order; its counts are logged)."""
-  if split not in task_splits(task):
-    raise ValueError(f"unknown split {split!r} of {task}; splits: {list(task_splits(task))}")
-  if task == "catalogs_ende":
-    from specjax.data import catalogs  # pylint: disable=import-outside-toplevel  # imports gettext
-    catalogs.log_counts()
-    return catalogs.examples(split)
+  """The task's examples {'inputs', 'targets', 'locale'} of one split, in gettext_pairs order."""
+  check_task(task)
+  if split not in SPLITS:
+    raise ValueError(f"unknown split {split!r} of {task}; splits: {list(SPLITS)}")
   return tuple({"inputs": pair.inputs, "targets": pair.translation, "locale": pair.locale}
                for pair in gettext_pairs()
                if split_of(pair.message) == split
                and (task == "gettext_translate" or pair.locale == EVALUATION_LOCALE))
-
-
-def texts_for_vocabulary(task: str) -> list[str]:
-  """The training split's inputs and targets: what a SentencePiece vocabulary is trained on (never
-  the held-out messages)."""
-  return [text for example in examples(task, "train") for text in (example["inputs"],
-                                                                     example["targets"])]
 
 
 def evaluation_items() -> list[tuple[str, str, str]]:

@@ -22,7 +22,7 @@ prefixes, so a public T5 checkpoint sees the inputs it was fine-tuned on):
   specjax_xsum             TFDS xsum:1.1.0; "summarize: " + document -> summary. TFDS cannot
                            download the articles: see `ManualDownloadError`.
   specjax_gettext_translate, specjax_gettext_ende, specjax_catalogs_ende
-                           `specjax.data.gettext.examples(...)` exactly, in their order (splits
+                           `specjax.data.tasks.examples(...)` exactly, in their order (splits
                            train / validation / heldout, and catalogs_ende's heldout_catalogs).
                            BLEU metric.
 No metric for the summarization tasks: ROUGE's package is not among the dependencies.
@@ -42,13 +42,13 @@ import pathlib
 import textwrap
 import types
 
-from specjax.data import gettext
+from specjax.data import tasks
 
 PREFIX = "specjax_"
 WMT_ENDE = PREFIX + "wmt_t2t_ende"
 CNN_DAILYMAIL = PREFIX + "cnn_dailymail"
 XSUM = PREFIX + "xsum"
-GETTEXT_TASKS = tuple(PREFIX + task for task in gettext.TASKS)
+GETTEXT_TASKS = tuple(PREFIX + task for task in tasks.TASKS)
 TASKS = (WMT_ENDE, CNN_DAILYMAIL, XSUM) + GETTEXT_TASKS
 INSTALL_HINT = ("specjax's seqio tasks need seqio, TensorFlow and TensorFlow Datasets: install the "
                 "extra with `pip install -e '.[tasks]'` (or run `bash scripts/setup.sh test`)")
@@ -144,7 +144,7 @@ def register(vocabulary_path, extra_ids: int = 0, *,
     seqio.TaskRegistry.add(
         name, source=seqio.FunctionDataSource(
             functools.partial(_gettext_dataset, name[len(PREFIX):]),
-            splits=gettext.task_splits(name[len(PREFIX):])),
+            splits=tasks.task_splits(name[len(PREFIX):])),
         output_features=features, preprocessors=tokenize_then_eos(), metric_fns=[bleu])
   _registration = _Registration(path, extra_ids, data_dir)
   return TASKS
@@ -263,7 +263,7 @@ def _gettext_dataset(task: str, split: str, shuffle_files: bool, seed: int | Non
   """
   del shuffle_files, seed
   tf = require_tensorflow().tf
-  examples = gettext.examples(task, split)
+  examples = tasks.examples(task, split)
   columns = {key: tf.constant([example[key] for example in examples], dtype=tf.string,
                              shape=[len(examples)])
              for key in ("inputs", "targets", "locale")}

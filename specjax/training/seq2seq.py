@@ -1,7 +1,7 @@
 """`python -m specjax.train --gin_file=configs/...`: train or fine-tune a T5 on a sequence-to-sequence
 task, then export it (Hugging Face and T5X) and measure it.
 
-The task is an offline one of `specjax.data.gettext` (Django's gettext catalogs; no TensorFlow) or a
+The task is an offline one of `specjax.data.tasks` (gettext catalogs; no TensorFlow) or a
 seqio task of `specjax.data.seqio_tasks` (WMT EnDe, CNN/DailyMail, XSum through TFDS; the `tasks` extra).
 Training is teacher-forced cross-entropy on the target tokens with `training.fit` (AdamW, warmup +
 cosine, clipping; orbax checkpoints; a run killed at any step resumes to bit-identical parameters).
@@ -32,7 +32,7 @@ from absl import logging
 
 from specjax import checkpoints, contracts, launch, loading, models, outputs, sharding
 from specjax.decoding import autoregressive
-from specjax.data import prompts, gettext
+from specjax.data import prompts, tasks
 from specjax import vocabulary as vocabularies
 from specjax.checkpoints import hf_t5, t5x
 from specjax.models import t5
@@ -64,7 +64,7 @@ class T5Shape:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
-  """What to train on. task: an offline task (gettext.TASKS) or a registered seqio task.
+  """What to train on. task: an offline task (tasks.TASKS) or a registered seqio task.
   vocabulary: a SentencePiece model; None trains one of vocab_size pieces on the training text.
   Longer examples are truncated (their EOS kept). evaluation_locale_repeats: in an offline task's
   training split, each example of the evaluation locale (German) appears this many times, which
@@ -88,7 +88,7 @@ class TaskSpec:
 # ---- examples -> batches ----------------------------------------------------------------------------
 
 def is_offline(task: str) -> bool:
-  return task in gettext.TASKS
+  return task in tasks.TASKS
 
 
 def check_task(task: str) -> None:
@@ -100,7 +100,7 @@ def check_task(task: str) -> None:
     seqio_tasks.check_registered(task)
   except ValueError as error:
     raise ValueError(f"{error}; or name one of specjax's offline tasks (no TensorFlow needed): "
-                     f"{list(gettext.TASKS)}") from None
+                     f"{list(tasks.TASKS)}") from None
   if task == seqio_tasks.XSUM:
     seqio_tasks.check_xsum_download()  # TFDS's manual download, named with where it goes
 
@@ -113,10 +113,10 @@ def tokenized(task_spec: TaskSpec, split: str, vocab, vocabulary_path, limit=Non
   """[(input ids, target ids)] of a split, truncated, EOS-terminated, in the task's order."""
   task = task or task_spec.task
   if is_offline(task):
-    examples = gettext.examples(task, split)[:limit]
+    examples = tasks.examples(task, split)[:limit]
     if split == task_spec.train_split and task_spec.evaluation_locale_repeats > 1:
       examples = [e for e in examples for _ in range(
-          task_spec.evaluation_locale_repeats if e["locale"] == gettext.EVALUATION_LOCALE else 1)]
+          task_spec.evaluation_locale_repeats if e["locale"] == tasks.EVALUATION_LOCALE else 1)]
     pairs = [(vocab.encode(e["inputs"]), vocab.encode(e["targets"])) for e in examples]
   else:
     from specjax.data import seqio_tasks  # pylint: disable=import-outside-toplevel
@@ -182,7 +182,7 @@ def obtain_vocabulary(task_spec: TaskSpec, output_dir: pathlib.Path):
     raise ValueError(f"the seqio task {task_spec.task} needs TaskSpec.vocabulary (a SentencePiece "
                      "model, e.g. T5's gs://t5-data/vocabs/cc_all.32000/sentencepiece.model): a "
                      "vocabulary is trained only for specjax's offline tasks")
-  texts = gettext.texts_for_vocabulary(task_spec.task)
+  texts = tasks.texts_for_vocabulary(task_spec.task)
   logging.info("training a %d-piece SentencePiece vocabulary on %d texts of %s/train",
                task_spec.vocab_size, len(texts), task_spec.task)
   return vocabularies.train(texts, path, task_spec.vocab_size, extra_ids=task_spec.extra_ids,
@@ -362,7 +362,7 @@ def evaluate_generation(config, params, vocab, task: TaskSpec, batch_size: int =
   references, with a few examples."""
   import sacrebleu  # pylint: disable=import-outside-toplevel  # only after training
   if is_offline(task.evaluation_task):
-    examples = gettext.examples(task.evaluation_task, task.evaluation_split)
+    examples = tasks.examples(task.evaluation_task, task.evaluation_split)
     examples = examples[:task.evaluation_limit]
     sources, references = [e["inputs"] for e in examples], [e["targets"] for e in examples]
   else:
