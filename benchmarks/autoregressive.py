@@ -4,17 +4,23 @@
 
 Same weights (the embedded GGUF, dequantized to float32 by each side), the same input ids (the first
 `prompt_tokens` tokens of HumanEval prompts; equal lengths, so neither side pads), EOS disabled so
-both emit exactly `new_tokens` tokens. Medians of `repeats` runs after one warm-up run. The floor is
-the bytes one decode step must read (all weights + the valid KV cache at the mean length) over the
-measured read bandwidth. Writes benchmarks/results/autoregressive.{json,md}.
+both emit exactly `new_tokens` tokens. Medians of `repeats` runs after one warm-up run. Hugging Face
+runs in a process of its own, after specjax's timings (`--peer_only`): in one process torch's and
+XLA's thread pools slowed each other. The floor is the bytes one decode step must read (all weights
++ the valid KV cache at the mean length) over the measured read bandwidth. Writes
+benchmarks/results/autoregressive.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import platform
+import subprocess
+import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -25,6 +31,42 @@ from specjax.decoding import autoregressive
 from specjax.data import prompts as prompt_sets
 
 
+def peer_only(ids_file: str, out_file: str, new_tokens: int, repeats: int) -> None:
+  """Hugging Face generate on the batches in ids_file ({batch: ids}), in this process alone ->
+  out_file {batch: {"seconds", "runs_s", "tokens"}}."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  torch.set_num_threads(os.cpu_count())
+  path = pathlib.Path(assets.smollm2_gguf_path())
+  peer = transformers.AutoModelForCausalLM.from_pretrained(
+      path.parent, gguf_file=path.name, torch_dtype=torch.float32).eval()
+  pad_id = loading.load_model().tokenizer.pad_id
+  results = {}
+  for batch, ids in json.loads(pathlib.Path(ids_file).read_text()).items():
+    inputs = torch.tensor(ids, dtype=torch.long)
+
+    def peer_run():
+      with torch.no_grad():
+        return peer.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             pad_token_id=pad_id)
+    seconds, runs = timing.median_seconds(peer_run, repeats)
+    results[batch] = {"seconds": seconds, "runs_s": runs,
+                      "tokens": peer_run()[:, inputs.shape[1]:].tolist()}
+    print(f"Hugging Face, batch {batch}: {seconds:.2f} s", flush=True)
+  pathlib.Path(out_file).write_text(json.dumps(results))
+
+
+def run_peer(batches: dict, new_tokens: int, repeats: int) -> dict:
+  """peer_only in a child process (this script again): {batch: its results}."""
+  with tempfile.TemporaryDirectory() as tmp:
+    ids_file, out_file = pathlib.Path(tmp, "ids.json"), pathlib.Path(tmp, "peer.json")
+    ids_file.write_text(json.dumps({str(b): ids.tolist() for b, ids in batches.items()}))
+    subprocess.run([sys.executable, __file__, "--peer_only", str(ids_file), str(out_file),
+                    "--new_tokens", str(new_tokens), "--repeats", str(repeats)], check=True)
+    return {int(b): r for b, r in json.loads(out_file.read_text()).items()}
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--batches", default="1,4,16")
@@ -32,22 +74,18 @@ def main():
   parser.add_argument("--prompt_tokens", type=int, default=64)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--no_peer", action="store_true")
+  parser.add_argument("--peer_only", nargs=2, metavar=("IDS_JSON", "OUT_JSON"),
+                      help="internal: time Hugging Face alone in this process")
   args = parser.parse_args()
+  if args.peer_only:
+    peer_only(*args.peer_only, args.new_tokens, args.repeats)
+    return
   batches = [int(b) for b in args.batches.split(",")]
 
-  path = assets.smollm2_gguf_path()
   target = loading.load_model()
   config, tok, params = target.config, target.tokenizer, jax.device_put(target.params)
   ids = [tok.encode(p) for p in prompt_sets.load_prompt_set("humaneval").prompts]
   ids = [i[:args.prompt_tokens] for i in ids if len(i) >= args.prompt_tokens]
-
-  peer = None
-  if not args.no_peer:
-    import torch  # pylint: disable=import-outside-toplevel
-    import transformers  # pylint: disable=import-outside-toplevel
-    torch.set_num_threads(os.cpu_count())
-    peer = transformers.AutoModelForCausalLM.from_pretrained(
-        pathlib.Path(path).parent, gguf_file=pathlib.Path(path).name, torch_dtype=torch.float32).eval()
 
   bandwidth = timing.read_bandwidth_gbps()
   weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
@@ -67,21 +105,21 @@ def main():
            "specjax_ms_per_step": 1000 * ours_s / args.new_tokens, "specjax_runs_s": ours_all,
            "floor_ms_per_step": 1000 * floor_s / args.new_tokens}
     row["specjax_over_floor"] = row["specjax_ms_per_step"] / row["floor_ms_per_step"]
-    if peer is not None:
-      import torch  # pylint: disable=import-outside-toplevel
-      inputs = torch.from_numpy(prompts).long()
-      def peer_run():
-        with torch.no_grad():
-          return peer.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
-                               max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                               pad_token_id=tok.pad_id)
-      peer_s, peer_all = timing.median_seconds(peer_run, args.repeats)
-      peer_tokens = peer_run()[:, args.prompt_tokens:].numpy()
-      row.update({"hf_tokens_per_s": batch * args.new_tokens / peer_s, "hf_runs_s": peer_all,
-                  "speedup_vs_hf": peer_s / ours_s,
-                  "same_tokens_as_hf": float(np.mean(ours_tokens == peer_tokens))})
     rows.append(row)
-    print(row, flush=True)
+    row["specjax_tokens"] = ours_tokens
+    print({k: v for k, v in row.items() if k != "specjax_tokens"}, flush=True)
+  if not args.no_peer:
+    peer = run_peer({b: np.array(ids[:b], np.int32) for b in batches}, args.new_tokens,
+                    args.repeats)
+    for row in rows:
+      theirs, seconds = peer[row["batch"]], peer[row["batch"]]["seconds"]
+      ours_s = row["specjax_ms_per_step"] * args.new_tokens / 1000
+      row.update({"hf_tokens_per_s": row["batch"] * args.new_tokens / seconds,
+                  "hf_runs_s": theirs["runs_s"], "speedup_vs_hf": seconds / ours_s,
+                  "same_tokens_as_hf": float(np.mean(row["specjax_tokens"] == np.asarray(
+                      theirs["tokens"])))})
+  for row in rows:
+    del row["specjax_tokens"]
 
   lines = [f"SmolLM2-135M-Instruct greedy, {args.new_tokens} new tokens after {args.prompt_tokens}-token "
            f"prompts, float32, {platform.machine()} with {os.cpu_count()} cores; read bandwidth "
