@@ -14,7 +14,7 @@ import re
 import numpy as np
 from flax import traverse_util
 
-from specjax.models.t5 import SIZES, T5Config
+from specjax.models.t5_network import SIZES, T5Config
 
 
 def param_shapes(config: T5Config) -> dict:

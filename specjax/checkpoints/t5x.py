@@ -56,7 +56,7 @@ import tensorstore as ts
 from flax import serialization, traverse_util
 
 from specjax.checkpoints.t5_layout import check_shapes, infer_config
-from specjax.models.t5 import T5Config
+from specjax.models.t5_network import T5Config
 
 VERSION = 3  # t5x's checkpoint version since 2021-06 (native bfloat16 in tensorstore)
 CHECKPOINT_FILE = "checkpoint"
