@@ -1,13 +1,15 @@
-"""SmolLM2-135M decoding in float32 and in bfloat16 (specs.ModelSpec.dtype), side by side.
+"""SmolLM2-135M decoding in float32, in bfloat16 through XLA and in bfloat16 through oneDNN
+(specs.ModelSpec.dtype and .matmul), side by side.
 
     .venv/bin/python benchmarks/dtypes.py [--tokens 1,5,17] [--repeats 5] [--rounds 3] [--prompts 3]
 
 The target's step on T tokens after a 128-token prompt (T = 1: an autoregressive step; T = gamma + 1:
-a chain's verification), each dtype timed in turn `rounds` times (a slow stretch of the machine falls
-on both) and the median taken; then, at each dtype, greedy decoding of held-out HumanEval prompts by
-the target alone and with prompt lookup (chain:4): the speculative tokens must equal the target's
-own at the same dtype. The two dtypes' outputs are compared too (they may differ: bfloat16 rounds the
-weights). Writes benchmarks/results/dtypes.{json,md}.
+a chain's verification), each variant timed in turn `rounds` times (a slow stretch of the machine
+falls on all) and the median taken; then, in each variant, greedy decoding of held-out HumanEval
+prompts by the target alone and with prompt lookup (chain:4): the speculative tokens must equal the
+target's own in the same variant. The variants' outputs are compared with float32's too (they may
+differ: bfloat16 rounds the weights). The oneDNN variant needs scripts/build_cpu_matmul.sh (run by
+scripts/setup.sh); without it it is left out. Writes benchmarks/results/dtypes.{json,md}.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ from specjax import loading, models, timing
 from specjax.decoding import autoregressive, core
 from specjax.drafters import expansion, lookup
 from specjax.drafters.model import ModelDrafter
+from specjax.models import cpu_matmul
 
-DTYPES = ("float32", "bfloat16")
+# (name, dtype, ModelSpec.matmul)
+VARIANTS = (("float32", "float32", "xla"), ("bfloat16", "bfloat16", "xla"),
+            ("bfloat16 oneDNN", "bfloat16", "onednn"))
 
 
 def main():
@@ -45,16 +50,20 @@ def main():
   target = loading.load_model()
   prompt = (jnp.full((1, 128), 7, jnp.int32), jnp.asarray([128], jnp.int32))
   built = {}
-  for name in DTYPES:
-    dtype = models.DTYPES[name]
+  variants = [v for v in VARIANTS if v[2] == "xla" or cpu_matmul.available()]
+  names = [name for name, _, _ in variants]
+  for name, dtype_name, matmul in variants:
+    dtype = models.DTYPES[dtype_name]
     params = jax.device_put(models.cast(target.params, dtype))
+    if matmul == "onednn":
+      params = cpu_matmul.pack_params_for(target.config, params)
     model = models.model_for(target.config, None, dtype)
     state = common.fresh_state(ModelDrafter(model), params, prompt, 128 + max(tokens) + 2)
     built[name] = (model, params, state)
 
-  step_ms = {(name, t): [] for name in DTYPES for t in tokens}
+  step_ms = {(name, t): [] for name in names for t in tokens}
   for _ in range(args.rounds):
-    for name in DTYPES:
+    for name in names:
       model, params, state = built[name]
       for t in tokens:
         fresh = jax.tree_util.tree_map(jnp.copy, state)  # the timer donates the state it is given
@@ -62,7 +71,7 @@ def main():
             timing.target_step(model), params, fresh, *timing.one_token(prompt, t), args.repeats))
         print(f"{name} T={t}: {step_ms[name, t][-1]:.1f} ms", flush=True)
   steps = [{"dtype": name, "tokens": t, "step_ms": statistics.median(step_ms[name, t]),
-            "each_ms": step_ms[name, t]} for name in DTYPES for t in tokens]
+            "each_ms": step_ms[name, t]} for name in names for t in tokens]
 
   prompts, keys = common.load_prompts(target, args.prompts)
   config = core.DecodeConfig(args.new_tokens, eos_id=target.tokenizer.eos_id,
@@ -70,7 +79,7 @@ def main():
   shape = autoregressive.DecodeShape(args.new_tokens, eos_id=target.tokenizer.eos_id,
                                      pad_id=target.tokenizer.pad_id)
   outputs = {}
-  for name in DTYPES:
+  for name in names:
     model, params, _ = built[name]
     alone = autoregressive.make_generate(model, shape)
     drafter = expansion.SampledChain(lookup.PromptLookupDrafter(target.config.vocab_size), 4)
@@ -80,27 +89,33 @@ def main():
                       np.asarray(speculative(params, None, *p, key, 0.0).tokens)) for p in prompts]
   checks = [{"dtype": name, "prompts": len(prompts), "new_tokens": args.new_tokens,
              "speculative_equals_target": all(np.array_equal(a, s) for a, s in outputs[name])}
-            for name in DTYPES]
-  agree = float(np.mean([np.mean(a32 == a16) for (a32, _), (a16, _) in
-                         zip(outputs["float32"], outputs["bfloat16"])]))
+            for name in names]
+  agree = {name: float(np.mean([np.mean(a32 == other) for (a32, _), (other, _) in
+                               zip(outputs["float32"], outputs[name])])) for name in names[1:]}
 
   meta = {"machine": roofline.cpu_description(), "cpus": os.cpu_count(), "jax": jax.__version__,
           "repeats": args.repeats, "rounds": args.rounds, "prompt_keys": keys,
-          "float32_bfloat16_token_agreement": agree}
+          "token_agreement_with_float32": agree,
+          "onednn": cpu_matmul.implementation() if cpu_matmul.available() else None}
   lines = [f"{datetime.date.today()}, {meta['machine']}, {meta['cpus']} cores: "
            f"`python benchmarks/dtypes.py {' '.join(sys.argv[1:])}`", "",
            "SmolLM2-135M, batch 1 after 128 tokens: the target's step on T tokens (median of "
            f"{args.rounds} rounds, each the median of {args.repeats} chained calls)", "",
-           "| T | float32 ms | bfloat16 ms | bfloat16 / float32 |", "|---|---|---|---|"]
+           "| T | " + " | ".join(f"{name} ms" for name in names) + " | " +
+           " | ".join(f"{name} / float32" for name in names[1:]) + " |",
+           "|---|" + "---|" * (2 * len(names) - 1)]
   by = {(r["dtype"], r["tokens"]): r["step_ms"] for r in steps}
   for t in tokens:
-    lines.append(f"| {t} | {by['float32', t]:.1f} | {by['bfloat16', t]:.1f} | "
-                 f"{by['bfloat16', t] / by['float32', t]:.2f} |")
+    lines.append(f"| {t} | " + " | ".join(f"{by[name, t]:.1f}" for name in names) + " | " +
+                 " | ".join(f"{by[name, t] / by['float32', t]:.2f}" for name in names[1:]) + " |")
   lines += ["", f"Greedy, {len(prompts)} held-out HumanEval prompts x {args.new_tokens} tokens, "
             "prompt lookup chain:4 against the target alone:", ""]
   lines += [f"- {c['dtype']}: speculative output equals the target's own: "
             f"{c['speculative_equals_target']}" for c in checks]
-  lines.append(f"- the same tokens in float32 and bfloat16: {100 * agree:.0f} % of positions")
+  lines += [f"- {name}: the same tokens as float32 at {100 * share:.0f} % of positions"
+            for name, share in agree.items()]
+  if cpu_matmul.available():
+    lines.append(f"- oneDNN's kernel on this CPU: {cpu_matmul.implementation()}")
   markdown = "\n".join(lines)
   common.write_results("dtypes", {"steps": steps, "greedy": checks}, markdown, meta)
   print(markdown)

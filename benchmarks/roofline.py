@@ -7,7 +7,9 @@
 2. Matrix throughput by rows M: the target's weight shape streamed the way a step streams it, 90
    products of [M, 576] x [576, 1536] with 90 distinct weight matrices (as many bytes as SmolLM2's
    blocks read), in float32 and bfloat16, through XLA and through torch (oneDNN; the best library on
-   this machine): GFLOP/s, and the time of the 90 products.
+   this machine), and in bfloat16 through specjax's own oneDNN custom call inside a jitted program
+   (ModelSpec.matmul = "onednn", when scripts/build_cpu_matmul.sh has built it): GFLOP/s, and the
+   time of the 90 products.
 3. The ridge point (peak FLOP/s over bytes/s) of each path.
 4. The target (SmolLM2-135M, float32, batch 1 after a 128-token prompt): the floor of a step scoring T
    tokens, max(bytes it must read / bandwidth, FLOPs / the best float32 throughput measured), beside the
@@ -35,6 +37,7 @@ import numpy as np
 import common
 from specjax import loading, timing
 from specjax.drafters.model import ModelDrafter
+from specjax.models import cpu_matmul
 
 PRODUCTS, IN, OUT = 90, 576, 1536
 DTYPES = ("float32", "bfloat16")
@@ -51,6 +54,25 @@ def xla_matmul_seconds(rows: int, dtype: str, repeats: int) -> float:
     def body(i, total):
       return total + jnp.sum((x @ weights[i]).astype(jnp.float32))
     return jax.lax.fori_loop(0, PRODUCTS, body, jnp.float32(0.0))
+  return timing.median_seconds(lambda: run(x, weights).block_until_ready(), repeats)[0]
+
+
+def onednn_matmul_seconds(rows: int, repeats: int) -> float | None:
+  """The same products in bfloat16 through specjax's oneDNN custom call (models/cpu_matmul.py) on
+  weights packed once, unrolled as a step's layers are; None when the library is not built."""
+  if not cpu_matmul.available():
+    return None
+  rng = np.random.default_rng(0)
+  weights = [cpu_matmul.pack(jnp.asarray(rng.standard_normal((IN, OUT), np.float32), jnp.bfloat16))
+             for _ in range(PRODUCTS)]
+  x = jnp.ones((rows, IN), jnp.bfloat16)
+
+  @jax.jit
+  def run(x, weights):
+    total = jnp.float32(0.0)
+    for kernel in weights:
+      total = total + jnp.sum(cpu_matmul.matmul(x, kernel))
+    return total
   return timing.median_seconds(lambda: run(x, weights).block_until_ready(), repeats)[0]
 
 
@@ -142,9 +164,12 @@ def main():
       flops = 2 * PRODUCTS * m * IN * OUT
       xla = xla_matmul_seconds(m, dtype, args.repeats)
       lib = None if peer is None else peer[f"{dtype}/{m}"]
+      ours = onednn_matmul_seconds(m, args.repeats) if dtype == "bfloat16" else None
       matmul.append({"dtype": dtype, "rows": m, "xla_ms": 1000 * xla, "xla_gflops": flops / xla / 1e9,
                      "library_ms": None if lib is None else 1000 * lib,
-                     "library_gflops": None if lib is None else flops / lib / 1e9})
+                     "library_gflops": None if lib is None else flops / lib / 1e9,
+                     "onednn_ms": None if ours is None else 1000 * ours,
+                     "onednn_gflops": None if ours is None else flops / ours / 1e9})
   weight_bytes = PRODUCTS * IN * OUT
   ridge = {}
   for dtype in DTYPES:
@@ -189,12 +214,13 @@ def main():
            f"`python benchmarks/roofline.py {' '.join(sys.argv[1:])}`", "",
            f"Read bandwidth: XLA {bandwidth:.1f} GB/s"
            + (f", torch {peer['bandwidth_gbps']:.1f} GB/s" if peer else ""), "",
-           "| dtype | rows | XLA ms (90 products) | XLA GFLOP/s | torch ms | torch GFLOP/s |",
-           "|---|---|---|---|---|---|"]
+           "| dtype | rows | XLA ms (90 products) | XLA GFLOP/s | torch ms | torch GFLOP/s | specjax "
+           "oneDNN ms | oneDNN GFLOP/s |", "|---|---|---|---|---|---|---|---|"]
   fmt = lambda v, f: "-" if v is None else f.format(v)
   for r in matmul:
     lines.append(f"| {r['dtype']} | {r['rows']} | {r['xla_ms']:.1f} | {r['xla_gflops']:.0f} | "
-                 f"{fmt(r['library_ms'], '{:.1f}')} | {fmt(r['library_gflops'], '{:.0f}')} |")
+                 f"{fmt(r['library_ms'], '{:.1f}')} | {fmt(r['library_gflops'], '{:.0f}')} | "
+                 f"{fmt(r['onednn_ms'], '{:.1f}')} | {fmt(r['onednn_gflops'], '{:.0f}')} |")
   lines += ["", "Ridge points (peak FLOP/s over read bytes/s): " + "; ".join(
       f"{d} XLA {ridge[d]['xla']:.1f}, torch {ridge[d]['library']:.1f} FLOP/byte" for d in DTYPES),
       "", f"SmolLM2-135M float32, batch 1 after {args.prompt} tokens: the verification of T tokens",

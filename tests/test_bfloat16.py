@@ -1,9 +1,12 @@
-"""Decoding in bfloat16 (specs.ModelSpec.dtype): lossless within the dtype.
+"""Decoding in bfloat16 (specs.ModelSpec.dtype): lossless within the dtype, through XLA's products
+and through oneDNN's (specs.ModelSpec.matmul = "onednn", models/cpu_matmul.py).
 
-The oracle is the target decoding alone at the same dtype: the verification of T tokens scores each
-exactly as T single steps do (bit for bit), greedy speculative output equals greedy autoregressive
+The oracle is the target decoding alone at the same dtype and on the same path: the verification of
+T tokens scores each as T single steps do, greedy speculative output equals greedy autoregressive
 output token for token (chain and tree, both families, ragged batch), and sampled output follows the
-bfloat16 target's exact law. Loading, drafts and the planner read the one setting.
+bfloat16 target's exact law. oneDNN's products equal XLA's to float32 rounding. Loading, drafts and
+the planner read the one setting. The oneDNN cases need scripts/build_cpu_matmul.sh, which
+scripts/setup.sh runs: without the library they fail, naming it.
 """
 
 import dataclasses
@@ -19,29 +22,37 @@ from specjax import contracts, loading, models, specs
 from specjax.decoding import autoregressive, core
 from specjax.decoding.tree import Tree
 from specjax.drafters import expansion, registry
-from specjax.models import decoder_only, t5
+from specjax.models import cpu_matmul, decoder_only, t5
 
 BF16 = jnp.bfloat16
 CONFIG = decoder_only.SIZES["tiny"]
 T5_CONFIG = t5.SIZES["tiny"]
 
 
-def _decoder_pair():
+MATMULS = ["xla", "onednn"]
+
+
+def _on(matmul, config, params):
+  """params as ModelSpec.matmul `matmul` decodes with them (oneDNN: packed)."""
+  return params if matmul == "xla" else cpu_matmul.pack_params_for(config, params)
+
+
+def _decoder_pair(matmul="xla"):
   """A random tiny decoder-only target in bfloat16 and its first layer as the draft."""
   params = models.cast(random_decoder_params(CONFIG, seed=5), BF16)
   draft_config, draft_params = decoder_only.truncate_layers(CONFIG, params, 1)
-  return (models.model_for(CONFIG, None, BF16), params, models.model_for(draft_config, None, BF16),
-          draft_params)
+  return (models.model_for(CONFIG, None, BF16), _on(matmul, CONFIG, params),
+          models.model_for(draft_config, None, BF16), _on(matmul, draft_config, draft_params))
 
 
-def _t5_pair():
+def _t5_pair(matmul="xla", config=T5_CONFIG):
   """A random tiny T5 target in bfloat16 and, as the draft, the same with its first decoder layer
   only (its own encoder): a draft that agrees with the target part of the time."""
-  params = models.cast(random_t5_params(T5_CONFIG, seed=6), BF16)
-  draft_config = dataclasses.replace(T5_CONFIG, num_decoder_layers=1)
+  params = models.cast(random_t5_params(config, seed=6), BF16)
+  draft_config = dataclasses.replace(config, num_decoder_layers=1)
   draft_params = {**params, "decoder": {k: v for k, v in params["decoder"].items() if k != "layers_1"}}
-  return (models.model_for(T5_CONFIG, None, BF16), params,
-          models.model_for(draft_config, None, BF16), draft_params)
+  return (models.model_for(config, None, BF16), _on(matmul, config, params),
+          models.model_for(draft_config, None, BF16), _on(matmul, draft_config, draft_params))
 
 
 def _prompts(family: str, batch: int = 2):
@@ -64,13 +75,14 @@ def _step(target, params, source):
       t, pos, cache))
 
 
+@pytest.mark.parametrize("matmul", MATMULS)
 @pytest.mark.parametrize("family", ["decoder-only", "T5"])
-def test_verifying_t_tokens_scores_each_as_its_single_step_does(family):
+def test_verifying_t_tokens_scores_each_as_its_single_step_does(family, matmul):
   """The logits of 5 tokens scored in one call equal those of 5 one-token calls to float32 rounding
   (the float32 sums of the last product run in another order for another row count): the bfloat16
   activations behind them are the same, since one bfloat16 rounding apart would move the logits by
   about 1e-2. A speculative loop and the target alone then see one distribution at every position."""
-  target, params, _, _ = _decoder_pair() if family == "decoder-only" else _t5_pair()
+  target, params, _, _ = _decoder_pair(matmul) if family == "decoder-only" else _t5_pair(matmul)
   prompt, lengths, source = _prompts(family, batch=1)
   session = contracts.open_session(target, params, source)
   _, cache = jax.jit(functools.partial(autoregressive.prefill, session, max_length=16))(
@@ -89,7 +101,7 @@ def test_verifying_t_tokens_scores_each_as_its_single_step_does(family):
                              rtol=1e-5, atol=1e-5)
   # The dtype is in effect: the same weights in float32 score close to, not exactly, the same.
   f32_target = models.model_for(CONFIG if family == "decoder-only" else T5_CONFIG)
-  f32_params = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params)
+  f32_params = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), cpu_matmul.plain(params))
   f32_session = contracts.open_session(f32_target, f32_params, source)
   f32_logits, _ = jax.jit(functools.partial(autoregressive.prefill, f32_session, max_length=16))(
       prompt, lengths)
@@ -112,10 +124,15 @@ def _generate(target, params, prompt, lengths, source, temperature, new=12, seed
       params, prompt, lengths, jax.random.PRNGKey(seed), temperature, 1.0, source)
 
 
+@pytest.mark.parametrize("matmul", MATMULS)
 @pytest.mark.parametrize("family,tree", [("decoder-only", "chain:3"), ("decoder-only", "spine:3x2"),
-                                         ("T5", "chain:3")])
-def test_greedy_speculative_output_equals_the_targets_own_in_bfloat16(family, tree):
-  target, params, draft, draft_params = _decoder_pair() if family == "decoder-only" else _t5_pair()
+                                         ("T5", "chain:3"), ("T5 1.0", "spine:3x2")])
+def test_greedy_speculative_output_equals_the_targets_own_in_bfloat16(family, tree, matmul):
+  if family == "decoder-only":
+    target, params, draft, draft_params = _decoder_pair(matmul)
+  else:  # T5 1.0 ties its head to the embedding: oneDNN reads the packed transposed table
+    target, params, draft, draft_params = _t5_pair(
+        matmul, T5_CONFIG if family == "T5" else t5.SIZES["tiny-1.0"])
   prompt, lengths, source = _prompts(family)
   tree = Tree.from_name(tree)
   from specjax.drafters.model import ModelDrafter  # pylint: disable=import-outside-toplevel
@@ -128,7 +145,8 @@ def test_greedy_speculative_output_equals_the_targets_own_in_bfloat16(family, tr
   assert n[n >= 0].max() > 0  # drafts were accepted: the verification's logits were read
 
 
-def test_sampled_speculative_output_follows_the_bfloat16_targets_law():
+@pytest.mark.parametrize("matmul", MATMULS)
+def test_sampled_speculative_output_follows_the_bfloat16_targets_law(matmul):
   """4000 rows from one prompt at temperature 1, a 1-layer draft proposing 2 tokens: each of the 3
   output positions' token counts vs the exact law of the bfloat16 target, enumerated over every
   history (conftest.assert_follows_laws: chi-square p < 1e-6 fails, so the false-failure rate is
@@ -137,6 +155,7 @@ def test_sampled_speculative_output_follows_the_bfloat16_targets_law():
   params = models.cast(random_decoder_params(config, seed=8, scale=0.3), BF16)
   target = models.model_for(config, None, BF16)
   draft_config, draft_params = decoder_only.truncate_layers(config, params, 1)
+  params, draft_params = _on(matmul, config, params), _on(matmul, draft_config, draft_params)
   from specjax.drafters.model import ModelDrafter  # pylint: disable=import-outside-toplevel
   drafter = expansion.expand(ModelDrafter(models.model_for(draft_config, None, BF16)),
                              Tree.chain(2), sample=True)
@@ -181,3 +200,69 @@ def test_the_setting_reaches_the_target_its_drafts_and_the_heads_check(smollm2_t
   assert floating(float32) == {jnp.dtype(jnp.float32)}
   assert heads.target_fingerprint(loaded.config, float32) == heads.target_fingerprint(
       loaded.config, loaded.params)
+
+
+@pytest.mark.parametrize("shape,rows", [((64, 128), (1,)), ((100, 37), (2, 3)), ((576, 1536), (5,))])
+def test_onednn_products_equal_xlas_to_float32_rounding(shape, rows):
+  """x[..., k] x kernel[k, n] on oneDNN against XLA's bfloat16 product summed in float32, odd shapes
+  included (oneDNN pads them in its blocked layout), and the packed kernel unpacks to itself."""
+  rng = np.random.RandomState(0)
+  kernel = jnp.asarray(rng.standard_normal(shape), BF16)
+  x = jnp.asarray(rng.standard_normal((*rows, shape[0])), BF16)
+  packed = cpu_matmul.pack(kernel)
+  ours = jax.jit(cpu_matmul.matmul)(x, packed)
+  xla = jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
+  assert ours.shape == xla.shape and ours.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), rtol=1e-5,
+                             atol=1e-5 * float(np.abs(np.asarray(xla)).max()))
+  np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack(packed)), np.asarray(kernel))
+  with pytest.raises(ValueError, match=r"x\[\.\.\., 3\] against a packed"):
+    cpu_matmul.matmul(jnp.ones((1, 3), BF16), packed)
+
+
+@pytest.mark.parametrize("family", ["decoder-only", "T5", "T5 1.0"])
+def test_onednn_scores_a_prompt_as_xla_does(family):
+  """A prefill's logits on the packed params equal XLA's bfloat16 path's to float32 rounding: the
+  products are summed in another order, every bfloat16 rounding between them is the same."""
+  results = []
+  for matmul in MATMULS:
+    if family == "decoder-only":
+      target, params, _, _ = _decoder_pair(matmul)
+    else:
+      target, params, _, _ = _t5_pair(matmul, T5_CONFIG if family == "T5" else t5.SIZES["tiny-1.0"])
+    assert cpu_matmul.is_packed(params) == (matmul == "onednn")
+    prompt, lengths, source = _prompts(family.split(" ")[0])
+    session = contracts.open_session(target, params, source)
+    results.append(np.asarray(jax.jit(functools.partial(
+        autoregressive.prefill, session, max_length=16))(prompt, lengths)[0]))
+  np.testing.assert_allclose(results[1], results[0], rtol=1e-4, atol=1e-4)
+
+
+def test_onednn_setting_is_checked_and_reaches_the_target_and_its_drafts(smollm2_two_blocks,
+                                                                        monkeypatch):
+  with pytest.raises(ValueError, match=r"ModelSpec.matmul = 'mkl': use 'onednn'"):
+    specs.ModelSpec(str(smollm2_two_blocks), dtype="bfloat16", matmul="mkl")
+  with pytest.raises(ValueError, match=r"matmul = 'onednn' runs bfloat16 products; set "
+                                       r"ModelSpec.dtype = 'bfloat16' \(it is 'float32'\)"):
+    specs.ModelSpec(str(smollm2_two_blocks), matmul="onednn")
+  spec = specs.ModelSpec(str(smollm2_two_blocks), dtype="bfloat16", matmul="onednn")
+  loaded, _ = loading.load_target(spec)
+  assert cpu_matmul.is_packed(loaded.params) and cpu_matmul.HEAD in loaded.params  # tied head
+  target = registry.Target(loaded.config, loaded.params)
+  for name in ("layers1", f"model:{smollm2_two_blocks}"):
+    _, draft_params = registry.build(name, target, Tree.chain(2))
+    assert cpu_matmul.is_packed(draft_params), name
+  # Heads trained for these weights recognise them packed.
+  from specjax.drafters import heads  # pylint: disable=import-outside-toplevel
+  plain = loading.load_target(dataclasses.replace(spec, matmul=None))[0].params
+  assert heads.target_fingerprint(loaded.config, loaded.params) == heads.target_fingerprint(
+      loaded.config, plain)
+  # Without the library the setting names the script that builds it, before any work.
+  monkeypatch.setattr(cpu_matmul, "LIBRARY", "/nonexistent/libspecjax_cpu_matmul.so")
+  cpu_matmul._library.cache_clear()  # pylint: disable=protected-access
+  try:
+    with pytest.raises(RuntimeError, match=r"needs /nonexistent/libspecjax_cpu_matmul.so, which "
+                                           r"is not built: bash scripts/build_cpu_matmul.sh"):
+      loading.load_target(spec)
+  finally:
+    cpu_matmul._library.cache_clear()  # pylint: disable=protected-access

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from specjax import checkpoints, contracts, models, sharding
 from specjax.contracts import Source, Transform
 from specjax.decoding import autoregressive
-from specjax.models import decoder_only
+from specjax.models import cpu_matmul, decoder_only
 
 
 @flax.struct.dataclass
@@ -58,16 +58,17 @@ class ModelDrafter:
 
 
 
-def load_model_draft(path: str, target_config, mesh: Mesh | None = None, dtype=jnp.float32
-                     ) -> tuple[ModelDrafter, Any]:
+def load_model_draft(path: str, target_config, mesh: Mesh | None = None, dtype=jnp.float32,
+                     packed: bool = False) -> tuple[ModelDrafter, Any]:
   """The draft checkpoint at `path` (.gguf, a Hugging Face directory, a T5X checkpoint) for a target
-  of `target_config`'s vocabulary -> (ModelDrafter, params on the device(s) in `dtype`)."""
+  of `target_config`'s vocabulary -> (ModelDrafter, params on the device(s) in `dtype`, packed for
+  oneDNN with `packed`)."""
   draft_config, draft_params = checkpoints.load(path)
   if draft_config.vocab_size != target_config.vocab_size:
     raise ValueError(f"vocabulary sizes differ: the target has {target_config.vocab_size} tokens, "
                      f"the draft {path} {draft_config.vocab_size}; speculative decoding needs one "
                      "vocabulary")
-  return placed(draft_config, draft_params, mesh, dtype)
+  return placed(draft_config, draft_params, mesh, dtype, packed)
 
 
 def truncated_draft(target_config, target_params, num_layers: int, mesh: Mesh | None = None,
@@ -80,10 +81,13 @@ def truncated_draft(target_config, target_params, num_layers: int, mesh: Mesh | 
                 dtype)
 
 
-def placed(config, params, mesh: Mesh | None, dtype=jnp.float32) -> tuple[ModelDrafter, Any]:
+def placed(config, params, mesh: Mesh | None, dtype=jnp.float32, packed: bool = False
+           ) -> tuple[ModelDrafter, Any]:
   """A model draft decoding in `dtype` with its params on the device(s): sharded on `mesh` when
-  given."""
+  given; with `packed` (a target whose products run on oneDNN) its kernels packed the same way."""
   params = models.cast(params, dtype)
+  if packed and not cpu_matmul.is_packed(params):
+    params = cpu_matmul.pack_params_for(config, params)
   if mesh is None:
     return ModelDrafter(models.model_for(config, None, dtype)), jax.device_put(params)
   return (ModelDrafter(models.model_for(config, mesh, dtype)),

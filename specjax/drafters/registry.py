@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from specjax import contracts, loading
 from specjax.decoding.tree import Tree
 from specjax.drafters import expansion, heads, lookup, model, mtp, tables
+from specjax.models import cpu_matmul
 
 LOOKUP_FRONT = "lookup+"
 
@@ -240,7 +241,8 @@ def _on_device(table) -> Any:
 register(Kind(
     "model", label="draft model", checkpoint=True, missing=_TRAIN_DRAFT,
     build=lambda spec, target, tree, sample: model.load_model_draft(
-        spec.checkpoint, target.config, target.mesh, target.dtype),
+        spec.checkpoint, target.config, target.mesh, target.dtype,
+        cpu_matmul.is_packed(target.params)),
     plan=lambda spec, target_config: Planned(checkpoint=spec.checkpoint)))
 register(Kind(
     "layers", label="early exit",

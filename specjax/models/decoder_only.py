@@ -127,11 +127,11 @@ class DecoderOnly(nn.Module):
         after[i] = x
     x = RMSNorm(cfg.norm_eps, name="final_norm")(x)
     if cfg.tie_embeddings:
-      logits = jnp.einsum("bte,ve->btv", x, embedding, preferred_element_type=jnp.float32)
+      logits = layers.tied_logits(self, x, embedding)
     else:
       lm_head = param(self, "lm_head", (cfg.embed_dim, cfg.head_size or cfg.vocab_size),
                        (axes.EMBED, axes.VOCAB))
-      logits = jnp.matmul(x, lm_head, preferred_element_type=jnp.float32)
+      logits = layers.dense(x, lm_head, float32_out=True)
     lengths = (positions if slots is None else slots)[:, -1].astype(jnp.int32) + 1
     logits = sharding.constrain(logits.astype(jnp.float32), layers.LOGITS, self.mesh)
     cache = kv_cache.KVCache(tuple(keys), tuple(values), lengths)

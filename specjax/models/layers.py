@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from specjax import axes, sharding
-from specjax.models import kv_cache
+from specjax.models import cpu_matmul, kv_cache
 
 # Logical layouts of the activations a layer constrains.
 ACTIVATIONS = (axes.BATCH, axes.LENGTH, axes.EMBED)
@@ -24,14 +24,32 @@ MLP_ACTIVATIONS = (axes.BATCH, axes.LENGTH, axes.MLP)
 LOGITS = (axes.BATCH, axes.LENGTH, axes.VOCAB)
 
 
-def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
-  """x[..., in] @ kernel[in, out], summed in float32 and returned in x's dtype: bfloat16 activations
-  keep float32 accumulation (in float32 this is the plain product)."""
-  return jnp.matmul(x, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
+def dense(x: jax.Array, kernel, float32_out: bool = False) -> jax.Array:
+  """x[..., in] @ kernel[in, out], summed in float32 and returned in x's dtype (or in float32 with
+  `float32_out`): bfloat16 activations keep float32 accumulation (in float32 this is the plain
+  product). A kernel cpu_matmul.pack_params packed runs on oneDNN."""
+  if isinstance(kernel, cpu_matmul.PackedKernel):
+    product = cpu_matmul.matmul(x, kernel)
+  else:
+    product = jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
+  return product if float32_out else product.astype(x.dtype)
+
+
+def tied_logits(module: nn.Module, x: jax.Array, embedding: jax.Array) -> jax.Array:
+  """x[B, T, E] against a tied embedding table[V, E] -> logits[B, T, V] float32; through the packed
+  transposed table where cpu_matmul.pack_params put one beside the table (in `module`'s params)."""
+  if module.has_variable("params", cpu_matmul.HEAD):
+    return cpu_matmul.matmul(x, module.get_variable("params", cpu_matmul.HEAD))
+  return jnp.einsum("bte,ve->btv", x, embedding, preferred_element_type=jnp.float32)
 
 
 def param(module: nn.Module, name: str, shape, logical_axes, init=None, dtype=jnp.float32):
-  """module.param with logical axis names (for sharding.py); normal(0.02) unless `init` says."""
+  """module.param with logical axis names (for sharding.py); normal(0.02) unless `init` says. A
+  kernel cpu_matmul.pack_params packed is returned as it is (flax would check its shape)."""
+  if module.has_variable("params", name):
+    value = module.get_variable("params", name)
+    if isinstance(value, cpu_matmul.PackedKernel):
+      return value
   init = init or nn.initializers.normal(stddev=0.02)
   return module.param(name, nn.with_logical_partitioning(init, logical_axes), shape, dtype)
 
@@ -109,14 +127,17 @@ class CachedAttention(nn.Module):
     keys = sharding.constrain(kv_cache.write(keys, k, slots), kv_cache.LOGICAL_AXES, self.mesh)
     values = sharding.constrain(kv_cache.write(values, v, slots), kv_cache.LOGICAL_AXES, self.mesh)
     q = q.reshape(batch, steps, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype),
+    # XLA:CPU's bfloat16 products are several times slower than its float32 ones; where the kernels
+    # run on oneDNN (so on a CPU) the attention's products run in float32.
+    upcast = jnp.float32 if isinstance(wq, cpu_matmul.PackedKernel) else x.dtype
+    scores = jnp.einsum("btkgd,bskd->bkgts", q.astype(upcast), keys.astype(upcast),
                         preferred_element_type=jnp.float32) * (d ** -0.5)
     if visible is None:
       visible = kv_cache.attention_mask(positions, keys.shape[1])
     mask = visible[:, None, None]
     scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, values.astype(x.dtype),
+    weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype).astype(upcast)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, values.astype(upcast),
                      preferred_element_type=jnp.float32).astype(x.dtype)
     return dense(out.reshape(batch, steps, h * d), wo), keys, values
 

@@ -129,9 +129,7 @@ class _Dense(nn.Module):
   @nn.compact
   def __call__(self, x):
     kernel = param(self, "kernel", (x.shape[-1], self.features), self.logical_axes)
-    if self.float32_out:
-      return jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
-    return layers.dense(x, kernel)
+    return layers.dense(x, kernel, self.float32_out)
 
 
 class _Module(nn.Module):
@@ -151,6 +149,10 @@ class _Embedder(_Module):
 
   def __call__(self, tokens):
     return self.constrain(jnp.take(self.embedding, tokens, axis=0), layers.ACTIVATIONS)
+
+  def logits(self, y):
+    """T5 1.0's tied head before its scaling: y[B, T, E] x embedding.T, float32."""
+    return layers.tied_logits(self, y, self.embedding)
 
 
 class _RelativePositionBias(_Module):
@@ -291,7 +293,7 @@ class _Decoder(_Module):
     pairs = [layer.cross_kv(encoded) for layer in self.layers]
     return tuple(k for k, _ in pairs), tuple(v for _, v in pairs)
 
-  def __call__(self, x, positions, cache, context, embedding, slots=None, visible=None,
+  def __call__(self, x, positions, cache, context, tied_head, slots=None, visible=None,
                features=None):
     """Embedded x[B, T, E] -> (logits[B, T, V] float32, cache, the features a drafter reads
     (contracts.FeatureSpec over the decoder's blocks) [B, T, F] or None)."""
@@ -315,8 +317,7 @@ class _Decoder(_Module):
         after[i] = x
     y = self.decoder_norm(x)
     if cfg.tie_embeddings:
-      logits = jnp.einsum("bte,ve->btv", y, embedding,
-                          preferred_element_type=jnp.float32) * cfg.embed_dim ** -0.5
+      logits = tied_head(y) * cfg.embed_dim ** -0.5
     else:
       logits = self.logits_dense(y)
     logits = self.constrain(logits.astype(jnp.float32), layers.LOGITS)
@@ -350,7 +351,7 @@ class Network(_Module):
 
   def decode(self, tokens, positions, cache, context, slots=None, visible=None, features=None):
     return self.decoder(self.token_embedder(tokens), positions, cache, context,
-                        self.token_embedder.embedding, slots, visible, features)
+                        self.token_embedder.logits, slots, visible, features)
 
   def __call__(self, source_tokens, source_lengths, tokens, positions, cache):
     """The whole model in one call (creates every parameter at init)."""

@@ -1,0 +1,139 @@
+// bfloat16 matrix products on the CPU's matrix units (AVX-512 BF16, AMX) through oneDNN, for XLA:CPU.
+//
+// XLA:CPU in the jaxlib specjax runs on has no fast bfloat16 product (its one-row product is several
+// times slower than float32), while oneDNN's brgemm kernels read a bfloat16 weight at the memory's
+// speed. Weights are reordered once, at load, into oneDNN's blocked layout (the same layout for any
+// row count, so one packed copy serves a one-token step and a 64-token verification); each product
+// then streams them once. Built by scripts/build_cpu_matmul.sh, loaded by specjax/models/cpu_matmul.py.
+//
+//   specjax_cpu_matmul_packed_bytes(k, n)       bytes of the packed [k, n] bfloat16 weight
+//   specjax_cpu_matmul_pack(src, k, n, dst)     row-major [k, n] bfloat16 -> packed bytes
+//   specjax_cpu_matmul_unpack(src, k, n, dst)   and back
+//   specjax_cpu_matmul_implementation(k, n)     oneDNN's kernel for that shape (brg:avx512_core_bf16, ...)
+//   SpecjaxCpuMatmul (XLA FFI)                  x[..., k] bf16, packed u8 -> y[..., n] f32
+//
+// oneDNN runs each product on its OpenMP team (OMP_NUM_THREADS, all cores by default). Splitting a
+// product into column slices run single-threaded on XLA's intra-op pool, or on helper threads of our
+// own, was tried: no faster inside a SmolLM2 step on 2 cores, and slower at 5 and 17 rows.
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "oneapi/dnnl/dnnl.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace {
+
+using dnnl::matmul;
+using dnnl::memory;
+using Dt = memory::data_type;
+using Tag = memory::format_tag;
+
+dnnl::engine& Engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+// The primitive for [m, k] x [k, n]; created once per shape (creation costs milliseconds) and shared
+// by every thread: oneDNN primitives may execute concurrently.
+struct Product {
+  matmul::primitive_desc desc;
+  matmul primitive;
+};
+
+const Product& ProductFor(int64_t m, int64_t k, int64_t n) {
+  static std::mutex lock;
+  static std::map<std::tuple<int64_t, int64_t, int64_t>, Product> cache;
+  std::lock_guard<std::mutex> guard(lock);
+  auto key = std::make_tuple(m, k, n);
+  auto found = cache.find(key);
+  if (found == cache.end()) {
+    matmul::primitive_desc desc(Engine(), memory::desc({m, k}, Dt::bf16, Tag::ab),
+                                memory::desc({k, n}, Dt::bf16, Tag::any),
+                                memory::desc({m, n}, Dt::f32, Tag::ab));
+    found = cache.emplace(key, Product{desc, matmul(desc)}).first;
+  }
+  return found->second;
+}
+
+// The packed layout does not depend on the row count (checked for 1..128 rows on the shapes of
+// SmolLM2 and T5); it is taken from a 16-row descriptor, and every product checks its own against it.
+memory::desc PackedDesc(int64_t k, int64_t n) { return ProductFor(16, k, n).desc.weights_desc(); }
+
+namespace ffi = xla::ffi;
+
+ffi::Error Matmul(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> packed,
+                  ffi::ResultBuffer<ffi::F32> y) {
+  auto dims = x.dimensions();
+  if (dims.size() < 1) return ffi::Error::InvalidArgument("x needs at least one dimension");
+  int64_t k = dims.back();
+  int64_t m = 1;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) m *= dims[i];
+  int64_t n = y->dimensions().back();
+  memory::desc layout = PackedDesc(k, n);
+  if (static_cast<int64_t>(packed.size_bytes()) != static_cast<int64_t>(layout.get_size()))
+    return ffi::Error::InvalidArgument("packed weight does not match this product's layout");
+  if (m == 0) return ffi::Error::Success();
+  const Product& product = ProductFor(m, k, n);
+  if (product.desc.weights_desc() != layout)
+    return ffi::Error::InvalidArgument("packed weight does not match this product's layout");
+  memory src(product.desc.src_desc(), Engine(), x.untyped_data());
+  memory weights(layout, Engine(), packed.untyped_data());
+  memory dst(product.desc.dst_desc(), Engine(), y->untyped_data());
+  thread_local dnnl::stream stream(Engine());
+  product.primitive.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights},
+                                     {DNNL_ARG_DST, dst}});
+  stream.wait();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuMatmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+extern "C" {
+
+int64_t specjax_cpu_matmul_packed_bytes(int64_t k, int64_t n) {
+  return static_cast<int64_t>(PackedDesc(k, n).get_size());
+}
+
+int specjax_cpu_matmul_pack(const void* src, int64_t k, int64_t n, void* dst) {
+  try {
+    memory plain(memory::desc({k, n}, Dt::bf16, Tag::ab), Engine(), const_cast<void*>(src));
+    memory::desc layout = PackedDesc(k, n);
+    std::memset(dst, 0, layout.get_size());  // the blocks' padding past k, n reads as zeros
+    memory packed(layout, Engine(), dst);
+    dnnl::stream stream(Engine());
+    dnnl::reorder(plain, packed).execute(stream, plain, packed);
+    stream.wait();
+    return 0;
+  } catch (const dnnl::error&) {
+    return 1;
+  }
+}
+
+int specjax_cpu_matmul_unpack(const void* src, int64_t k, int64_t n, void* dst) {
+  try {
+    memory packed(PackedDesc(k, n), Engine(), const_cast<void*>(src));
+    memory plain(memory::desc({k, n}, Dt::bf16, Tag::ab), Engine(), dst);
+    dnnl::stream stream(Engine());
+    dnnl::reorder(packed, plain).execute(stream, packed, plain);
+    stream.wait();
+    return 0;
+  } catch (const dnnl::error&) {
+    return 1;
+  }
+}
+
+const char* specjax_cpu_matmul_implementation(int64_t k, int64_t n) {
+  return ProductFor(16, k, n).desc.impl_info_str();
+}
+
+}  // extern "C"
