@@ -16,9 +16,11 @@
 // product into column slices run single-threaded on XLA's intra-op pool, or on helper threads of our
 // own, was tried: no faster inside a SmolLM2 step on 2 cores, and slower at 5 and 17 rows.
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <utility>
 #include <mutex>
 #include <tuple>
 
@@ -37,31 +39,59 @@ dnnl::engine& Engine() {
   return engine;
 }
 
+matmul::primitive_desc Describe(int64_t m, int64_t k, int64_t n, const memory::desc& weights) {
+  return matmul::primitive_desc(Engine(), memory::desc({m, k}, Dt::bf16, Tag::ab), weights,
+                                memory::desc({m, n}, Dt::f32, Tag::ab));
+}
+
+// The layout kernels are packed in: the one oneDNN picks for 16 rows. On the AVX-512 BF16 cores
+// measured it is the same for 1..128 rows; where a row count prefers another (AMX may), the product
+// is built for the packed layout or, failing that, reorders the weight on each call.
+const memory::desc& PackedDesc(int64_t k, int64_t n) {
+  static std::mutex lock;
+  static std::map<std::pair<int64_t, int64_t>, memory::desc> cache;
+  std::lock_guard<std::mutex> guard(lock);
+  auto found = cache.find({k, n});
+  if (found == cache.end())
+    found = cache.emplace(std::make_pair(k, n),
+                          Describe(16, k, n, memory::desc({k, n}, Dt::bf16, Tag::any))
+                              .weights_desc()).first;
+  return found->second;
+}
+
 // The primitive for [m, k] x [k, n]; created once per shape (creation costs milliseconds) and shared
 // by every thread: oneDNN primitives may execute concurrently.
 struct Product {
   matmul::primitive_desc desc;
   matmul primitive;
+  bool reorders;  // its weights are not in the packed layout: reordered on every call
 };
 
 const Product& ProductFor(int64_t m, int64_t k, int64_t n) {
+  const memory::desc& packed = PackedDesc(k, n);
   static std::mutex lock;
   static std::map<std::tuple<int64_t, int64_t, int64_t>, Product> cache;
   std::lock_guard<std::mutex> guard(lock);
   auto key = std::make_tuple(m, k, n);
   auto found = cache.find(key);
   if (found == cache.end()) {
-    matmul::primitive_desc desc(Engine(), memory::desc({m, k}, Dt::bf16, Tag::ab),
-                                memory::desc({k, n}, Dt::bf16, Tag::any),
-                                memory::desc({m, n}, Dt::f32, Tag::ab));
-    found = cache.emplace(key, Product{desc, matmul(desc)}).first;
+    matmul::primitive_desc desc = Describe(m, k, n, memory::desc({k, n}, Dt::bf16, Tag::any));
+    bool reorders = false;
+    if (desc.weights_desc() != packed) {
+      try {
+        desc = Describe(m, k, n, packed);
+      } catch (const dnnl::error&) {
+        reorders = true;
+      }
+    }
+    found = cache.emplace(key, Product{desc, matmul(desc), reorders}).first;
   }
   return found->second;
 }
 
-// The packed layout does not depend on the row count (checked for 1..128 rows on the shapes of
-// SmolLM2 and T5); it is taken from a 16-row descriptor, and every product checks its own against it.
-memory::desc PackedDesc(int64_t k, int64_t n) { return ProductFor(16, k, n).desc.weights_desc(); }
+// Set by specjax_cpu_matmul_always_reorder (a test's switch): every call takes the reordering path,
+// which on the CPUs measured no row count needs.
+std::atomic<bool> always_reorder{false};
 
 namespace ffi = xla::ffi;
 
@@ -73,18 +103,21 @@ ffi::Error Matmul(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> packed,
   int64_t m = 1;
   for (size_t i = 0; i + 1 < dims.size(); ++i) m *= dims[i];
   int64_t n = y->dimensions().back();
-  memory::desc layout = PackedDesc(k, n);
+  const memory::desc& layout = PackedDesc(k, n);
   if (static_cast<int64_t>(packed.size_bytes()) != static_cast<int64_t>(layout.get_size()))
     return ffi::Error::InvalidArgument("packed weight does not match this product's layout");
   if (m == 0) return ffi::Error::Success();
   const Product& product = ProductFor(m, k, n);
-  if (product.desc.weights_desc() != layout)
-    return ffi::Error::InvalidArgument("packed weight does not match this product's layout");
-  memory src(product.desc.src_desc(), Engine(), x.untyped_data());
-  memory weights(layout, Engine(), packed.untyped_data());
-  memory dst(product.desc.dst_desc(), Engine(), y->untyped_data());
   thread_local dnnl::stream stream(Engine());
-  product.primitive.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights},
+  memory weights(layout, Engine(), packed.untyped_data());
+  memory wanted = weights;
+  if (product.reorders || always_reorder.load()) {
+    wanted = memory(product.desc.weights_desc(), Engine());
+    dnnl::reorder(weights, wanted).execute(stream, weights, wanted);
+  }
+  memory src(product.desc.src_desc(), Engine(), x.untyped_data());
+  memory dst(product.desc.dst_desc(), Engine(), y->untyped_data());
+  product.primitive.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wanted},
                                      {DNNL_ARG_DST, dst}});
   stream.wait();
   return ffi::Error::Success();
@@ -107,7 +140,7 @@ int64_t specjax_cpu_matmul_packed_bytes(int64_t k, int64_t n) {
 int specjax_cpu_matmul_pack(const void* src, int64_t k, int64_t n, void* dst) {
   try {
     memory plain(memory::desc({k, n}, Dt::bf16, Tag::ab), Engine(), const_cast<void*>(src));
-    memory::desc layout = PackedDesc(k, n);
+    const memory::desc& layout = PackedDesc(k, n);
     std::memset(dst, 0, layout.get_size());  // the blocks' padding past k, n reads as zeros
     memory packed(layout, Engine(), dst);
     dnnl::stream stream(Engine());
@@ -131,6 +164,8 @@ int specjax_cpu_matmul_unpack(const void* src, int64_t k, int64_t n, void* dst) 
     return 1;
   }
 }
+
+void specjax_cpu_matmul_always_reorder(int on) { always_reorder.store(on != 0); }
 
 const char* specjax_cpu_matmul_implementation(int64_t k, int64_t n) {
   return ProductFor(16, k, n).desc.impl_info_str();

@@ -216,6 +216,15 @@ def test_onednn_products_equal_xlas_to_float32_rounding(shape, rows):
   np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), rtol=1e-5,
                              atol=1e-5 * float(np.abs(np.asarray(xla)).max()))
   np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack(packed)), np.asarray(kernel))
+  # A row count whose product wants another weight layout than the packed one (AMX may) reorders
+  # the packed weight on each call: the same product.
+  lib = cpu_matmul.require()
+  lib.specjax_cpu_matmul_always_reorder(1)
+  try:
+    reordered = jax.jit(cpu_matmul.matmul)(x, packed)
+  finally:
+    lib.specjax_cpu_matmul_always_reorder(0)
+  np.testing.assert_array_equal(np.asarray(reordered), np.asarray(ours))
   with pytest.raises(ValueError, match=r"x\[\.\.\., 3\] against a packed"):
     cpu_matmul.matmul(jnp.ones((1, 3), BF16), packed)
 
@@ -223,19 +232,27 @@ def test_onednn_products_equal_xlas_to_float32_rounding(shape, rows):
 @pytest.mark.parametrize("family", ["decoder-only", "T5", "T5 1.0"])
 def test_onednn_scores_a_prompt_as_xla_does(family):
   """A prefill's logits on the packed params equal XLA's bfloat16 path's to float32 rounding: the
-  products are summed in another order, every bfloat16 rounding between them is the same."""
-  results = []
+  products are summed in another order, every bfloat16 rounding between them is the same. The
+  packed params (fused q / k / v and gate / up kernels, a tied head's transposed copy) unpack to
+  the params they were packed from, bit for bit."""
+  results, trees = [], []
   for matmul in MATMULS:
     if family == "decoder-only":
       target, params, _, _ = _decoder_pair(matmul)
     else:
       target, params, _, _ = _t5_pair(matmul, T5_CONFIG if family == "T5" else t5.SIZES["tiny-1.0"])
     assert cpu_matmul.is_packed(params) == (matmul == "onednn")
+    trees.append(cpu_matmul.plain(params))
+    if family == "decoder-only" and matmul == "onednn":  # each block runs 4 products, not 7
+      assert set(params["layers_0"]["attn"]) == {"wq+wk+wv", "wo"}
+      assert set(params["layers_0"]["mlp"]) == {"w_gate+w_up", "w_down"}
     prompt, lengths, source = _prompts(family.split(" ")[0])
     session = contracts.open_session(target, params, source)
     results.append(np.asarray(jax.jit(functools.partial(
         autoregressive.prefill, session, max_length=16))(prompt, lengths)[0]))
   np.testing.assert_allclose(results[1], results[0], rtol=1e-4, atol=1e-4)
+  assert jax.tree_util.tree_structure(trees[1]) == jax.tree_util.tree_structure(trees[0])
+  jax.tree_util.tree_map(np.testing.assert_array_equal, trees[1], trees[0])
 
 
 def test_onednn_setting_is_checked_and_reaches_the_target_and_its_drafts(smollm2_two_blocks,

@@ -1,8 +1,8 @@
 """bfloat16 matrix products on the CPU's matrix units (oneDNN), behind `ModelSpec.matmul`.
 
 XLA:CPU has no fast bfloat16 product: on a 2-core AMD EPYC with AVX-512 BF16, 90 products of
-[M, 576] x [576, 1536] (SmolLM2's MLP shape) take XLA 111 / 115 / 126 ms in bfloat16 at M = 1 / 5 /
-17 (17 / 15 / 32 in float32), and oneDNN on weights packed once 6.7 / 6.0 / 10.4 ms
+[M, 576] x [576, 1536] (SmolLM2's MLP shape) take XLA 126 / 160 / 173 ms in bfloat16 at M = 1 / 5 /
+17 (14 / 19 / 30 in float32), and this custom call on weights packed once 8.8 / 8.8 / 11.9 ms
 (docs/results.md). So a decode in bfloat16 on such a CPU runs its products here: `pack_params`
 replaces every 2-D kernel of a params tree with a `PackedKernel` (oneDNN's blocked layout, reordered
 once at load) and `layers.dense` sends x[..., in] x PackedKernel to the custom call
@@ -28,9 +28,6 @@ import numpy as np
 
 LIBRARY = os.path.join(sys.prefix, "lib", "libspecjax_cpu_matmul.so")
 TARGET = "specjax_cpu_matmul"
-# ModelSpec.matmul's values: XLA for every product, oneDNN for the packed ones, or oneDNN where it is
-# the faster path (a CPU backend, bfloat16, one device, and cores with bfloat16 matrix instructions).
-CHOICES = ("xla", "onednn", "auto")
 BUILD_FIX = "bash scripts/build_cpu_matmul.sh builds it (bash scripts/setup.sh runs it)"
 
 
@@ -39,6 +36,8 @@ class PackedKernel:
   """A [in, out] bfloat16 kernel in oneDNN's blocked layout: `data` holds its bytes."""
   data: jax.Array
   shape: tuple = flax.struct.field(pytree_node=False)
+  # Kernels fused side by side into this one (FUSED): ((name, columns), ...); empty for one kernel.
+  parts: tuple = flax.struct.field(pytree_node=False, default=())
 
   @property
   def nbytes(self) -> int:
@@ -58,6 +57,7 @@ def _library():
                                           ctypes.c_void_p]
   lib.specjax_cpu_matmul_unpack.restype = ctypes.c_int
   lib.specjax_cpu_matmul_unpack.argtypes = lib.specjax_cpu_matmul_pack.argtypes
+  lib.specjax_cpu_matmul_always_reorder.argtypes = [ctypes.c_int]
   lib.specjax_cpu_matmul_implementation.restype = ctypes.c_char_p
   lib.specjax_cpu_matmul_implementation.argtypes = [ctypes.c_int64, ctypes.c_int64]
   jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxCpuMatmul), platform="cpu")
@@ -80,14 +80,6 @@ def require():
     raise RuntimeError(f"ModelSpec.matmul = 'onednn' needs {LIBRARY}, which is not built: "
                        f"{BUILD_FIX}")
   return lib
-
-
-def fast_here() -> bool:
-  """Whether oneDNN's products beat XLA's on this machine in bfloat16: the library is built, JAX
-  runs on the CPU, and the cores have bfloat16 matrix instructions (without them oneDNN emulates
-  bfloat16 and is no faster than XLA's float32)."""
-  return (available() and jax.default_backend() == "cpu"
-          and any(unit in implementation() for unit in ("bf16", "amx")))
 
 
 def pack(kernel) -> PackedKernel:
@@ -125,15 +117,36 @@ def matmul(x: jax.Array, kernel: PackedKernel) -> jax.Array:
 # The params of one decoder-only or T5 network a tied head reads transposed: packed as their own
 # leaf (the table itself stays for the embedding lookup).
 HEAD = "packed_head"
+# Kernels that read the same input, packed side by side as one product (each call costs oneDNN's
+# fork and join: fusing brings SmolLM2's step from 211 products to 121). Layers look for the fused
+# kernel under fused_name(names) (layers.fused_dense).
+FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))
+
+
+def fused_name(names) -> str:
+  return "+".join(names)
+
+
+def split(y: jax.Array, kernel: PackedKernel) -> list[jax.Array]:
+  """A fused product's output [..., sum of columns] -> one array per fused kernel."""
+  bounds = np.cumsum([columns for _, columns in kernel.parts])[:-1]
+  return jnp.split(y, bounds, axis=-1)
 
 
 def pack_params(params, tied_head: bool):
-  """Every 2-D kernel of a model's params packed for oneDNN. Embedding tables stay (the lookup
-  gathers rows); with `tied_head` (a head that reads the table transposed) each gains a packed
+  """Every 2-D kernel of a model's params packed for oneDNN, the FUSED groups side by side as one.
+  Embedding tables stay (the lookup gathers rows); with `tied_head` (a head that reads the table transposed) each gains a packed
   transposed copy at HEAD beside it. Leaves that are not kernels (norm scales, relative position
   tables, token id lists) stay as they are."""
   def walk(tree):
     out = {}
+    tree = dict(tree)
+    for names in FUSED:
+      if all(getattr(tree.get(name), "ndim", 0) == 2 for name in names):
+        kernels = [tree.pop(name) for name in names]
+        fused = pack(jnp.concatenate([jnp.asarray(k, jnp.bfloat16) for k in kernels], axis=1))
+        out[fused_name(names)] = fused.replace(
+            parts=tuple((name, k.shape[1]) for name, k in zip(names, kernels)))
     for name, value in tree.items():
       if isinstance(value, dict):
         out[name] = walk(value)
@@ -169,9 +182,19 @@ def plain(params):
   if not is_packed(params):
     return params
   def walk(tree):
-    return {name: walk(value) if isinstance(value, dict)
-            else unpack(value) if isinstance(value, PackedKernel) else value
-            for name, value in tree.items() if name != HEAD}
+    out = {}
+    for name, value in tree.items():
+      if name == HEAD:
+        continue
+      if isinstance(value, dict):
+        out[name] = walk(value)
+      elif isinstance(value, PackedKernel) and value.parts:
+        out.update(zip([part for part, _ in value.parts], split(unpack(value), value)))
+      elif isinstance(value, PackedKernel):
+        out[name] = unpack(value)
+      else:
+        out[name] = value
+    return out
   return walk(params)
 
 

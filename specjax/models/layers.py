@@ -43,6 +43,16 @@ def tied_logits(module: nn.Module, x: jax.Array, embedding: jax.Array) -> jax.Ar
   return jnp.einsum("bte,ve->btv", x, embedding, preferred_element_type=jnp.float32)
 
 
+def fused_dense(module: nn.Module, x: jax.Array, names: tuple) -> list[jax.Array] | None:
+  """x through the kernels `names` as one product, where cpu_matmul.pack_params fused them (one
+  output per kernel, in x's dtype); None where they are separate kernels."""
+  name = cpu_matmul.fused_name(names)
+  if not module.has_variable("params", name):
+    return None
+  return [y.astype(x.dtype) for y in cpu_matmul.split(
+      cpu_matmul.matmul(x, module.get_variable("params", name)), module.get_variable("params", name))]
+
+
 def param(module: nn.Module, name: str, shape, logical_axes, init=None, dtype=jnp.float32):
   """module.param with logical axis names (for sharding.py); normal(0.02) unless `init` says. A
   kernel cpu_matmul.pack_params packed is returned as it is (flax would check its shape)."""
@@ -85,11 +95,15 @@ class GatedMLP(nn.Module):
   @nn.compact
   def __call__(self, x):
     embed = x.shape[-1]
-    w_gate = param(self, "w_gate", (embed, self.hidden_dim), (axes.EMBED, axes.MLP))
-    w_up = param(self, "w_up", (embed, self.hidden_dim), (axes.EMBED, axes.MLP))
+    fused = fused_dense(self, x, ("w_gate", "w_up"))
+    if fused is None:
+      w_gate = param(self, "w_gate", (embed, self.hidden_dim), (axes.EMBED, axes.MLP))
+      w_up = param(self, "w_up", (embed, self.hidden_dim), (axes.EMBED, axes.MLP))
+      fused = dense(x, w_gate), dense(x, w_up)
     w_down = param(self, "w_down", (self.hidden_dim, embed), (axes.MLP, axes.EMBED))
     act = {"silu": jax.nn.silu, "gelu": lambda v: jax.nn.gelu(v, approximate=True)}[self.activation]
-    hidden = sharding.constrain(act(dense(x, w_gate)) * dense(x, w_up), MLP_ACTIVATIONS, self.mesh)
+    gate, up = fused
+    hidden = sharding.constrain(act(gate) * up, MLP_ACTIVATIONS, self.mesh)
     return dense(hidden, w_down)
 
 
@@ -115,21 +129,25 @@ class CachedAttention(nn.Module):
   def __call__(self, x, positions, keys, values, slots=None, visible=None):
     batch, steps, embed = x.shape
     h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-    wq = param(self, "wq", (embed, h * d), (axes.EMBED, axes.HEADS))
-    wk = param(self, "wk", (embed, kv * d), (axes.EMBED, axes.KV_HEADS))
-    wv = param(self, "wv", (embed, kv * d), (axes.EMBED, axes.KV_HEADS))
+    fused = fused_dense(self, x, ("wq", "wk", "wv"))
+    if fused is None:
+      wq = param(self, "wq", (embed, h * d), (axes.EMBED, axes.HEADS))
+      wk = param(self, "wk", (embed, kv * d), (axes.EMBED, axes.KV_HEADS))
+      wv = param(self, "wv", (embed, kv * d), (axes.EMBED, axes.KV_HEADS))
+      fused = dense(x, wq), dense(x, wk), dense(x, wv)
     wo = param(self, "wo", (h * d, embed), (axes.HEADS, axes.EMBED))
-    q = rope(dense(x, wq).reshape(batch, steps, h, d), positions, self.rope_theta)
+    q, k, v = fused
+    q = rope(q.reshape(batch, steps, h, d), positions, self.rope_theta)
     q = sharding.constrain(q, HEAD_ACTIVATIONS, self.mesh)
-    k = rope(dense(x, wk).reshape(batch, steps, kv, d), positions, self.rope_theta)
-    v = dense(x, wv).reshape(batch, steps, kv, d)
+    k = rope(k.reshape(batch, steps, kv, d), positions, self.rope_theta)
+    v = v.reshape(batch, steps, kv, d)
     slots = positions if slots is None else slots
     keys = sharding.constrain(kv_cache.write(keys, k, slots), kv_cache.LOGICAL_AXES, self.mesh)
     values = sharding.constrain(kv_cache.write(values, v, slots), kv_cache.LOGICAL_AXES, self.mesh)
     q = q.reshape(batch, steps, kv, h // kv, d)
     # XLA:CPU's bfloat16 products are several times slower than its float32 ones; where the kernels
     # run on oneDNN (so on a CPU) the attention's products run in float32.
-    upcast = jnp.float32 if isinstance(wq, cpu_matmul.PackedKernel) else x.dtype
+    upcast = jnp.float32 if isinstance(wo, cpu_matmul.PackedKernel) else x.dtype
     scores = jnp.einsum("btkgd,bskd->bkgts", q.astype(upcast), keys.astype(upcast),
                         preferred_element_type=jnp.float32) * (d ** -0.5)
     if visible is None:
