@@ -8,7 +8,8 @@ import pathlib
 
 import jax
 
-from specjax import loading
+from specjax import loading, models
+from specjax.models import cpu_matmul
 from specjax.data import prompts as prompt_sets
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -39,3 +40,14 @@ def fresh_state(drafter, params, prompt, max_length: int, source=None):
   encoder-decoder model, the decoder prompt, with the encoder's input as `source`)."""
   tokens, lengths = prompt
   return jax.jit(drafter.init, static_argnums=3)(params, tokens, lengths, max_length, source)
+
+
+def decoding_variant(target: loading.LoadedModel, dtype_name: str, matmul: str | None):
+  """(model, params on the device) of a loaded target as specs.ModelSpec(dtype=dtype_name,
+  matmul=matmul) decodes it: cast, packed for oneDNN with its float32 cache where matmul says."""
+  dtype = models.DTYPES[dtype_name]
+  params = jax.device_put(models.cast(target.params, dtype))
+  if matmul == "onednn":
+    params = cpu_matmul.pack_params_for(target.config, params)
+  return models.model_for(target.config, None,
+                          cpu_matmul.CACHE_DTYPE if matmul == "onednn" else dtype), params

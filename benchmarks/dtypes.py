@@ -26,7 +26,7 @@ import numpy as np
 
 import common
 import roofline
-from specjax import loading, models, timing
+from specjax import loading, timing
 from specjax.decoding import autoregressive, core
 from specjax.drafters import expansion, lookup
 from specjax.drafters.model import ModelDrafter
@@ -53,11 +53,7 @@ def main():
   variants = [v for v in VARIANTS if v[2] == "xla" or cpu_matmul.available()]
   names = [name for name, _, _ in variants]
   for name, dtype_name, matmul in variants:
-    dtype = models.DTYPES[dtype_name]
-    params = jax.device_put(models.cast(target.params, dtype))
-    if matmul == "onednn":
-      params = cpu_matmul.pack_params_for(target.config, params)
-    model = models.model_for(target.config, None, dtype)
+    model, params = common.decoding_variant(target, dtype_name, matmul)
     state = common.fresh_state(ModelDrafter(model), params, prompt, 128 + max(tokens) + 2)
     built[name] = (model, params, state)
 

@@ -10,7 +10,7 @@
 //   specjax_cpu_matmul_pack(src, k, n, dst)     row-major [k, n] bfloat16 -> packed bytes
 //   specjax_cpu_matmul_unpack(src, k, n, dst)   and back
 //   specjax_cpu_matmul_implementation(k, n)     oneDNN's kernel for that shape (brg:avx512_core_bf16, ...)
-//   SpecjaxCpuMatmul (XLA FFI)                  x[..., k] bf16, packed u8 -> y[..., n] f32
+//   SpecjaxCpuMatmul (XLA FFI)                  x[..., k] bf16, packed u8 -> y[..., n] f32 or bf16
 //
 // oneDNN runs each product on its OpenMP team (OMP_NUM_THREADS, all cores by default). Splitting a
 // product into column slices run single-threaded on XLA's intra-op pool, or on helper threads of our
@@ -39,9 +39,12 @@ dnnl::engine& Engine() {
   return engine;
 }
 
-matmul::primitive_desc Describe(int64_t m, int64_t k, int64_t n, const memory::desc& weights) {
+// Products read bfloat16 and sum in float32; they write float32 (the logits) or bfloat16 (the
+// activations, rounded once, as XLA's path rounds its float32 sums).
+matmul::primitive_desc Describe(int64_t m, int64_t k, int64_t n, const memory::desc& weights,
+                                Dt out = Dt::f32) {
   return matmul::primitive_desc(Engine(), memory::desc({m, k}, Dt::bf16, Tag::ab), weights,
-                                memory::desc({m, n}, Dt::f32, Tag::ab));
+                                memory::desc({m, n}, out, Tag::ab));
 }
 
 // The layout kernels are packed in: the one oneDNN picks for 16 rows. On the AVX-512 BF16 cores
@@ -67,19 +70,19 @@ struct Product {
   bool reorders;  // its weights are not in the packed layout: reordered on every call
 };
 
-const Product& ProductFor(int64_t m, int64_t k, int64_t n) {
+const Product& ProductFor(int64_t m, int64_t k, int64_t n, Dt out = Dt::f32) {
   const memory::desc& packed = PackedDesc(k, n);
   static std::mutex lock;
-  static std::map<std::tuple<int64_t, int64_t, int64_t>, Product> cache;
+  static std::map<std::tuple<int64_t, int64_t, int64_t, int>, Product> cache;
   std::lock_guard<std::mutex> guard(lock);
-  auto key = std::make_tuple(m, k, n);
+  auto key = std::make_tuple(m, k, n, static_cast<int>(out));
   auto found = cache.find(key);
   if (found == cache.end()) {
-    matmul::primitive_desc desc = Describe(m, k, n, memory::desc({k, n}, Dt::bf16, Tag::any));
+    matmul::primitive_desc desc = Describe(m, k, n, memory::desc({k, n}, Dt::bf16, Tag::any), out);
     bool reorders = false;
     if (desc.weights_desc() != packed) {
       try {
-        desc = Describe(m, k, n, packed);
+        desc = Describe(m, k, n, packed, out);
       } catch (const dnnl::error&) {
         reorders = true;
       }
@@ -96,7 +99,13 @@ std::atomic<bool> always_reorder{false};
 namespace ffi = xla::ffi;
 
 ffi::Error Matmul(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> packed,
-                  ffi::ResultBuffer<ffi::F32> y) {
+                  ffi::Result<ffi::AnyBuffer> y) {
+  Dt out;
+  switch (y->element_type()) {
+    case ffi::DataType::F32: out = Dt::f32; break;
+    case ffi::DataType::BF16: out = Dt::bf16; break;
+    default: return ffi::Error::InvalidArgument("the product writes float32 or bfloat16");
+  }
   auto dims = x.dimensions();
   if (dims.size() < 1) return ffi::Error::InvalidArgument("x needs at least one dimension");
   int64_t k = dims.back();
@@ -107,7 +116,13 @@ ffi::Error Matmul(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> packed,
   if (static_cast<int64_t>(packed.size_bytes()) != static_cast<int64_t>(layout.get_size()))
     return ffi::Error::InvalidArgument("packed weight does not match this product's layout");
   if (m == 0) return ffi::Error::Success();
-  const Product& product = ProductFor(m, k, n);
+  const Product& product = ProductFor(m, k, n, out);
+  // One product at a time: XLA runs independent operations concurrently, and oneDNN's own
+  // scratchpad is shared by its primitives unless it was built for concurrent execution (this wheel
+  // is not: concurrent products returned wrong values, about 1 in 1,600, before this lock). Each
+  // product already runs on every core through oneDNN's OpenMP team.
+  static std::mutex one_at_a_time;
+  std::lock_guard<std::mutex> serial(one_at_a_time);
   thread_local dnnl::stream stream(Engine());
   memory weights(layout, Engine(), packed.untyped_data());
   memory wanted = weights;
@@ -129,7 +144,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuMatmul, Matmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::AnyBuffer>());
 
 extern "C" {
 

@@ -208,7 +208,8 @@ def load_target(spec: ModelSpec, mesh_shape: tuple = (1, 1)) -> tuple[LoadedMode
     params = cpu_matmul.pack_params_for(loaded.config, params, mesh.size)
   logging.info("%s; decoding in %s, products through %s", sharding.describe(mesh), spec.dtype_name,
                "oneDNN (" + cpu_matmul.implementation() + ")" if spec.matmul == "onednn" else "XLA")
-  model = models.model_for(loaded.config, mesh if mesh.size > 1 else None, dtype)
+  model = models.model_for(loaded.config, mesh if mesh.size > 1 else None,
+                           cpu_matmul.CACHE_DTYPE if spec.matmul == "onednn" else dtype)
   return dataclasses.replace(loaded, params=params, model=model), mesh
 
 

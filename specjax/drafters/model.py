@@ -86,9 +86,12 @@ def placed(config, params, mesh: Mesh | None, dtype=jnp.float32, packed: bool = 
   """A model draft decoding in `dtype` with its params on the device(s): sharded on `mesh` when
   given; with `packed` (a target whose products run on oneDNN) its kernels packed the same way."""
   params = models.cast(params, dtype)
-  if packed and not cpu_matmul.is_packed(params):
+  if cpu_matmul.is_packed(params):  # a truncated packed target
+    packed = True
+  elif packed:
     params = cpu_matmul.pack_params_for(config, params)
   if mesh is None:
-    return ModelDrafter(models.model_for(config, None, dtype)), jax.device_put(params)
+    cache_dtype = cpu_matmul.CACHE_DTYPE if packed else dtype
+    return ModelDrafter(models.model_for(config, None, cache_dtype)), jax.device_put(params)
   return (ModelDrafter(models.model_for(config, mesh, dtype)),
           sharding.place(params, models.param_shardings(config, mesh)))

@@ -104,12 +104,12 @@ def unpack(kernel: PackedKernel) -> jax.Array:
   return jnp.asarray(plain)
 
 
-def matmul(x: jax.Array, kernel: PackedKernel) -> jax.Array:
-  """x[..., in] x kernel -> [..., out] float32 (summed in float32)."""
+def matmul(x: jax.Array, kernel: PackedKernel, out_dtype=jnp.float32) -> jax.Array:
+  """x[..., in] x kernel -> [..., out] in `out_dtype` (float32 or bfloat16), summed in float32."""
   k, n = kernel.shape
   if x.shape[-1] != k:
     raise ValueError(f"x[..., {x.shape[-1]}] against a packed [{k}, {n}] kernel")
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32),
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype),
                           vmap_method="sequential")
   return call(x.astype(jnp.bfloat16), kernel.data)
 
@@ -161,6 +161,13 @@ def pack_params(params, tied_head: bool):
         out[name] = value
     return out
   return walk(params)
+
+
+# The KV cache of a decode whose products run here: float32. Its keys and values are the same
+# bfloat16-rounded values a bfloat16 cache holds (they come out of bfloat16 products and RoPE), so
+# the tokens are the same; but the attention reads them in float32 (XLA:CPU's bfloat16 products are
+# slow) and a bfloat16 cache would be converted whole in every layer of every step.
+CACHE_DTYPE = jnp.float32
 
 
 def pack_params_for(config, params, devices: int = 1):

@@ -29,9 +29,8 @@ def dense(x: jax.Array, kernel, float32_out: bool = False) -> jax.Array:
   `float32_out`): bfloat16 activations keep float32 accumulation (in float32 this is the plain
   product). A kernel cpu_matmul.pack_params packed runs on oneDNN."""
   if isinstance(kernel, cpu_matmul.PackedKernel):
-    product = cpu_matmul.matmul(x, kernel)
-  else:
-    product = jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
+    return cpu_matmul.matmul(x, kernel, jnp.float32 if float32_out else x.dtype)
+  product = jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
   return product if float32_out else product.astype(x.dtype)
 
 
@@ -49,8 +48,8 @@ def fused_dense(module: nn.Module, x: jax.Array, names: tuple) -> list[jax.Array
   name = cpu_matmul.fused_name(names)
   if not module.has_variable("params", name):
     return None
-  return [y.astype(x.dtype) for y in cpu_matmul.split(
-      cpu_matmul.matmul(x, module.get_variable("params", name)), module.get_variable("params", name))]
+  fused = module.get_variable("params", name)
+  return cpu_matmul.split(cpu_matmul.matmul(x, fused, x.dtype), fused)
 
 
 def param(module: nn.Module, name: str, shape, logical_axes, init=None, dtype=jnp.float32):
