@@ -23,13 +23,14 @@ class ModelSpec:
   dtype: what the target and its model drafts decode in, "bfloat16" or "float32" (parameters,
   activations and KV cache; products summed, norms, softmax and logits in float32); None is float32
   (None keeps the fingerprints of runs written before the setting existed). A plan compiles at it
-  too. Speculative output equals the target's own at the same dtype.
+  too. Speculative output equals the target's own at the same dtype (float32: token for token;
+  bfloat16: see the known gap below).
   matmul: what runs the matrix products of a bfloat16 decode on one CPU: "onednn" (the CPU's
   bfloat16 matrix units through oneDNN, weights packed once at load: models/cpu_matmul.py; needs
   `bash scripts/build_cpu_matmul.sh`, which scripts/setup.sh runs) or "xla"; None is "xla". Both sum
-  in float32; their tokens can differ at near-ties. Known gap: with "onednn", greedy speculative
-  output left the baseline's on 3 of 8 held-out SmolLM2 prompts (docs/results.md, "Decoding in
-  bfloat16"); the tiny-model lossless tests pass."""
+  in float32; their tokens can differ at near-ties. Known gap in bfloat16, on both paths: greedy
+  speculative output left the baseline's on 3 of 8 held-out SmolLM2 prompts (docs/results.md,
+  "Decoding in bfloat16"); the tiny-model lossless tests pass."""
   checkpoint: str = EMBEDDED_SMOLLM2
   vocabulary: str | None = None
   dtype: str | None = None

@@ -8,8 +8,9 @@ replaces every 2-D kernel of a params tree with a `PackedKernel` (oneDNN's block
 once at load) and `layers.dense` sends x[..., in] x PackedKernel to the custom call
 (csrc/onednn_matmul.cc, built into .venv/lib by scripts/build_cpu_matmul.sh). Sums are float32 as in
 XLA's path; only their order differs, so tokens can differ from XLA's bfloat16 path at near-ties.
-Each product is the same row by row whatever its row count; the rest of a bfloat16 step is not yet:
-greedy speculative output left its baseline's on 3 of 8 held-out SmolLM2 prompts (docs/results.md).
+Each product is the same row by row whatever its row count; a bfloat16 decode as a whole is not
+yet, on this path or XLA's: greedy speculative output left its baseline's on 3 of 8 held-out
+SmolLM2 prompts on both (docs/results.md).
 
 Only for decoding: packed params are not for training (no gradient) or for a mesh of more than one
 device (the custom call runs on one host's CPU).
