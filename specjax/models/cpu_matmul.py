@@ -137,9 +137,9 @@ def split(y: jax.Array, kernel: PackedKernel) -> list[jax.Array]:
 
 def pack_params(params, tied_head: bool):
   """Every 2-D kernel of a model's params packed for oneDNN, the FUSED groups side by side as one.
-  Embedding tables stay (the lookup gathers rows); with `tied_head` (a head that reads the table transposed) each gains a packed
-  transposed copy at HEAD beside it. Leaves that are not kernels (norm scales, relative position
-  tables, token id lists) stay as they are."""
+  Embedding tables stay (the lookup gathers rows); with `tied_head` (a head that reads the table
+  transposed) each gains a packed transposed copy at HEAD beside it. Leaves that are not kernels
+  (norm scales, relative position tables, token id lists) stay as they are."""
   def walk(tree):
     out = {}
     tree = dict(tree)
