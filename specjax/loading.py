@@ -194,7 +194,8 @@ def load_target(spec: ModelSpec, mesh_shape: tuple = (1, 1)) -> tuple[LoadedMode
   """The model a spec names with its params placed on a ('data', 'model') mesh in the spec's dtype:
   -> (model with placed params, mesh). On more than one device the model also lays out its
   activations and caches by the sharding rules."""
-  if spec.matmul == "onednn":
+  onednn = spec.matmul == "onednn"
+  if onednn:
     cpu_matmul.require()  # before the weights are read
   start = time.perf_counter()
   loaded = load_model(spec.checkpoint, spec.vocabulary)
@@ -204,12 +205,12 @@ def load_target(spec: ModelSpec, mesh_shape: tuple = (1, 1)) -> tuple[LoadedMode
   dtype = models.dtype_named(spec.dtype_name)
   params = sharding.place(models.cast(loaded.params, dtype),
                           models.param_shardings(loaded.config, mesh))
-  if spec.matmul == "onednn":
+  if onednn:
     params = cpu_matmul.pack_params_for(loaded.config, params, mesh.size)
   logging.info("%s; decoding in %s, products through %s", sharding.describe(mesh), spec.dtype_name,
-               "oneDNN (" + cpu_matmul.implementation() + ")" if spec.matmul == "onednn" else "XLA")
+               f"oneDNN ({cpu_matmul.implementation()})" if onednn else "XLA")
   model = models.model_for(loaded.config, mesh if mesh.size > 1 else None,
-                           cpu_matmul.CACHE_DTYPE if spec.matmul == "onednn" else dtype)
+                           cpu_matmul.CACHE_DTYPE if onednn else dtype)
   return dataclasses.replace(loaded, params=params, model=model), mesh
 
 
