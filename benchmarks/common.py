@@ -9,7 +9,7 @@ import pathlib
 import jax
 
 from specjax import loading, models
-from specjax.models import cpu_matmul
+from specjax.models import cpu_kernels
 from specjax.data import prompts as prompt_sets
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -42,12 +42,12 @@ def fresh_state(drafter, params, prompt, max_length: int, source=None):
   return jax.jit(drafter.init, static_argnums=3)(params, tokens, lengths, max_length, source)
 
 
-def decoding_variant(target: loading.LoadedModel, dtype_name: str, matmul: str | None):
+def decoding_variant(target: loading.LoadedModel, dtype_name: str, kernels: str | None):
   """(model, params on the device) of a loaded target as specs.ModelSpec(dtype=dtype_name,
-  matmul=matmul) decodes it: cast, packed for oneDNN with its float32 cache where matmul says."""
+  kernels=kernels) decodes it: cast, and on the CPU kernels packed, with their float32 cache."""
   dtype = models.DTYPES[dtype_name]
   params = jax.device_put(models.cast(target.params, dtype))
-  if matmul == "onednn":
-    params = cpu_matmul.pack_params_for(target.config, params)
+  if kernels == "cpu":
+    params = cpu_kernels.pack_params_for(target.config, params)
   return models.model_for(target.config, None,
-                          cpu_matmul.CACHE_DTYPE if matmul == "onednn" else dtype), params
+                          cpu_kernels.CACHE_DTYPE if kernels == "cpu" else dtype), params

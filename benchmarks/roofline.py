@@ -6,10 +6,10 @@
    peer's library, in its own process so neither side's threads slow the other).
 2. Matrix throughput by rows M: the target's weight shape streamed the way a step streams it, 90
    products of [M, 576] x [576, 1536] with 90 distinct weight matrices (as many bytes as SmolLM2's
-   blocks read), in float32 and bfloat16, through XLA and through torch (oneDNN; the best library on
-   this machine), and in bfloat16 through specjax's own oneDNN custom call inside a jitted program
-   (ModelSpec.matmul = "onednn", when scripts/build_cpu_matmul.sh has built it): GFLOP/s, and the
-   time of the 90 products.
+   blocks read), in float32 and bfloat16, through XLA, through torch (oneDNN; the best library on
+   this machine) and through specjax's CPU kernels inside a jitted program (ModelSpec.kernels =
+   "cpu", when scripts/build_cpu_kernels.sh has built them): GFLOP/s, and the time of the 90
+   products.
 3. The ridge point (peak FLOP/s over bytes/s) of each path.
 4. The target (SmolLM2-135M, float32, batch 1 after a 128-token prompt): the floor of a step scoring T
    tokens, max(bytes it must read / bandwidth, FLOPs / the best float32 throughput measured), beside the
@@ -37,7 +37,7 @@ import numpy as np
 import common
 from specjax import loading, timing
 from specjax.drafters.model import ModelDrafter
-from specjax.models import cpu_matmul
+from specjax.models import cpu_kernels
 
 PRODUCTS, IN, OUT = 90, 576, 1536
 DTYPES = ("float32", "bfloat16")
@@ -57,21 +57,21 @@ def xla_matmul_seconds(rows: int, dtype: str, repeats: int) -> float:
   return timing.median_seconds(lambda: run(x, weights).block_until_ready(), repeats)[0]
 
 
-def onednn_matmul_seconds(rows: int, repeats: int) -> float | None:
-  """The same products in bfloat16 through specjax's oneDNN custom call (models/cpu_matmul.py) on
-  weights packed once, unrolled as a step's layers are; None when the library is not built."""
-  if not cpu_matmul.available():
+def onednn_matmul_seconds(rows: int, dtype: str, repeats: int) -> float | None:
+  """The same products through specjax's CPU kernels (models/cpu_kernels.py: oneDNN) on weights
+  packed once, unrolled as a step's layers are; None when the library is not built."""
+  if not cpu_kernels.available():
     return None
   rng = np.random.default_rng(0)
-  weights = [cpu_matmul.pack(jnp.asarray(rng.standard_normal((IN, OUT), np.float32), jnp.bfloat16))
+  weights = [cpu_kernels.pack(rng.standard_normal((IN, OUT), np.float32), dtype)
              for _ in range(PRODUCTS)]
-  x = jnp.ones((rows, IN), jnp.bfloat16)
+  x = jnp.ones((rows, IN), dtype)
 
   @jax.jit
   def run(x, weights):
     total = jnp.float32(0.0)
     for kernel in weights:
-      total = total + jnp.sum(cpu_matmul.matmul(x, kernel))
+      total = total + jnp.sum(cpu_kernels.matmul(x, kernel))
     return total
   return timing.median_seconds(lambda: run(x, weights).block_until_ready(), repeats)[0]
 
@@ -164,7 +164,7 @@ def main():
       flops = 2 * PRODUCTS * m * IN * OUT
       xla = xla_matmul_seconds(m, dtype, args.repeats)
       lib = None if peer is None else peer[f"{dtype}/{m}"]
-      ours = onednn_matmul_seconds(m, args.repeats) if dtype == "bfloat16" else None
+      ours = onednn_matmul_seconds(m, dtype, args.repeats)
       matmul.append({"dtype": dtype, "rows": m, "xla_ms": 1000 * xla, "xla_gflops": flops / xla / 1e9,
                      "library_ms": None if lib is None else 1000 * lib,
                      "library_gflops": None if lib is None else flops / lib / 1e9,

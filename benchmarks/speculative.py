@@ -3,7 +3,7 @@ vs Leviathan's Thm 3.8.
 
     .venv/bin/python benchmarks/speculative.py [--drafters bigram,lookup,layers2] [--gammas 1,2,3,4,5]
         [--temperatures 0,1] [--prompts 8] [--repeats 3] [--new_tokens 64] [--task humaneval]
-        [--checkpoint embedded:smollm2] [--dtype float32] [--matmul xla] [--style chat] [--no_overhead]
+        [--checkpoint embedded:smollm2] [--dtype float32] [--kernels xla] [--style chat] [--no_overhead]
         [--out speculative]
 
 The speculative sweep's measurement (experiments/speculative_sweep.measure_point on an
@@ -59,7 +59,7 @@ def parse_args():
   parser.add_argument("--task", default="humaneval", help="a prompt set of specjax.data.prompts or a .jsonl")
   parser.add_argument("--checkpoint", default=specs.ModelSpec().checkpoint)
   parser.add_argument("--dtype", default="float32", help="specs.ModelSpec.dtype")
-  parser.add_argument("--matmul", default=None, help="specs.ModelSpec.matmul: onednn (bfloat16) or xla")
+  parser.add_argument("--kernels", default=None, help="specs.ModelSpec.kernels: cpu or xla")
   parser.add_argument("--style", default="chat", help="prompt style: chat, or t5 for a T5 target")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--no_overhead", action="store_true", help="skip the draft == target bound")
@@ -77,7 +77,7 @@ def main():
       prompts_per_task=args.prompts, repeats=args.repeats)
   points = grid.points()  # validates every name before the target is loaded
   target, _ = loading.load_target(specs.ModelSpec(args.checkpoint, dtype=args.dtype,
-                                                  matmul=args.matmul), (1, 1))
+                                                  kernels=args.kernels), (1, 1))
   if not args.no_overhead:
     if target.encoder_decoder:
       raise SystemExit("the overhead bound runs the target as its own draft through layers{L}, which "
@@ -114,7 +114,7 @@ def table(args, target, rows, costs, prompts: int, total_s: float) -> str:
   lines = [
       f"{measure.size_name(target.config)} target ({args.checkpoint}), batch 1, {prompts} "
       f"held-out {args.task} prompts, {args.new_tokens} new tokens, EOS on, {args.dtype}"
-      f"{' through oneDNN' if args.matmul == 'onednn' else ''}; {platform.machine()} "
+      f"{' on the CPU kernels' if args.kernels == 'cpu' else ''}; {platform.machine()} "
       f"with {os.cpu_count()} cores, jax {jax.__version__}; {args.repeats} timed pass(es) per point, "
       f"in turn with the baseline's and the parts'. Total run {total_s / 60:.1f} min.", "",
       "Step costs (ms, batch 1): " + ", ".join(f"{n}: {ms:.2f}" for n, ms in costs.step_ms.items())

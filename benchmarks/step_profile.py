@@ -4,7 +4,7 @@
         [--new_tokens 32] [--gamma 4]
 
 For each variant (float32 through XLA; bfloat16 with ModelSpec.matmul = "onednn" when
-scripts/build_cpu_matmul.sh has built it) and SmolLM2-135M at batch 1 on one held-out HumanEval
+scripts/build_cpu_kernels.sh has built it) and SmolLM2-135M at batch 1 on one held-out HumanEval
 prompt, two programs are profiled with jax.profiler: the autoregressive decode of `--new_tokens`
 tokens, and the speculative decode of the same tokens with prompt lookup as a chain of `--gamma` (the
 loop: draft, verify on gamma + 1 tokens, accept). Every operation XLA ran is charged to the part of
@@ -37,10 +37,13 @@ import roofline
 from specjax import loading
 from specjax.decoding import autoregressive, core
 from specjax.drafters import expansion, lookup
-from specjax.models import cpu_matmul
+from specjax.models import cpu_kernels
 
-VARIANTS = {"float32": ("float32", None), "bfloat16-onednn": ("bfloat16", "onednn")}
+# name: (ModelSpec.dtype, ModelSpec.kernels)
+VARIANTS = {"float32": ("float32", "xla"), "float32-cpu": ("float32", "cpu"),
+            "bfloat16-cpu": ("bfloat16", "cpu")}
 _OP = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 
 
 def label(op_name: str) -> str:
@@ -56,9 +59,15 @@ def label(op_name: str) -> str:
 
 
 def op_labels(hlo_text: str) -> dict[str, str]:
-  """{HLO instruction name: label} from a compiled program's text."""
-  return {match.group(1): label(match.group(2)) for match in map(_OP.match, hlo_text.splitlines())
-          if match}
+  """{HLO instruction name: label} from a compiled program's text; a custom call's label names its
+  target (`.../ffi_call:specjax_cpu_attention`)."""
+  labels = {}
+  for line in hlo_text.splitlines():
+    match = _OP.match(line)
+    if match:
+      target = _TARGET.search(line)
+      labels[match.group(1)] = label(match.group(2)) + (f":{target.group(1)}" if target else "")
+  return labels
 
 
 def profile(compiled, args, repeats: int) -> dict[str, float]:
@@ -100,11 +109,11 @@ def main():
   tokenizer = target.tokenizer
   results = {}
   for variant in args.variants.split(","):
-    dtype_name, matmul = VARIANTS[variant]
-    if matmul == "onednn" and not cpu_matmul.available():
-      print(f"{variant}: left out ({cpu_matmul.BUILD_FIX})", file=sys.stderr)
+    dtype_name, kernels = VARIANTS[variant]
+    if kernels == "cpu" and not cpu_kernels.available():
+      print(f"{variant}: left out ({cpu_kernels.BUILD_FIX})", file=sys.stderr)
       continue
-    model, params = common.decoding_variant(target, dtype_name, matmul)
+    model, params = common.decoding_variant(target, dtype_name, kernels)
     key = jax.random.PRNGKey(0)
     alone = jax.jit(autoregressive.make_generate(model, autoregressive.DecodeShape(
         args.new_tokens, eos_id=None, pad_id=tokenizer.pad_id)))

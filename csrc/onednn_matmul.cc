@@ -22,7 +22,10 @@
 #include <map>
 #include <utility>
 #include <mutex>
+#include <string>
 #include <tuple>
+#include <vector>
+#include <algorithm>
 
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
@@ -39,57 +42,79 @@ dnnl::engine& Engine() {
   return engine;
 }
 
-// Products read bfloat16 and sum in float32; they write float32 (the logits) or bfloat16 (the
-// activations, rounded once, as XLA's path rounds its float32 sums).
+// The row count whose kernel every product uses (see Product): the layout kernels are packed in is
+// the one oneDNN picks for it too.
+constexpr int64_t kRows = 16;
+
+// Products read bfloat16 or float32 (activations and weights alike) and sum in float32; they write
+// float32 (the logits) or the activations' dtype (rounded once, as XLA's path rounds its sums).
 matmul::primitive_desc Describe(int64_t m, int64_t k, int64_t n, const memory::desc& weights,
-                                Dt out = Dt::f32) {
-  return matmul::primitive_desc(Engine(), memory::desc({m, k}, Dt::bf16, Tag::ab), weights,
+                                Dt in, Dt out) {
+  return matmul::primitive_desc(Engine(), memory::desc({m, k}, in, Tag::ab), weights,
                                 memory::desc({m, n}, out, Tag::ab));
 }
 
-// The layout kernels are packed in: the one oneDNN picks for 16 rows. On the AVX-512 BF16 cores
-// measured it is the same for 1..128 rows; where a row count prefers another (AMX may), the product
-// is built for the packed layout or, failing that, reorders the weight on each call.
-const memory::desc& PackedDesc(int64_t k, int64_t n) {
+const memory::desc& PackedDesc(int64_t k, int64_t n, Dt in) {
   static std::mutex lock;
-  static std::map<std::pair<int64_t, int64_t>, memory::desc> cache;
+  static std::map<std::tuple<int64_t, int64_t, int>, memory::desc> cache;
   std::lock_guard<std::mutex> guard(lock);
-  auto found = cache.find({k, n});
+  auto key = std::make_tuple(k, n, static_cast<int>(in));
+  auto found = cache.find(key);
   if (found == cache.end())
-    found = cache.emplace(std::make_pair(k, n),
-                          Describe(16, k, n, memory::desc({k, n}, Dt::bf16, Tag::any))
-                              .weights_desc()).first;
+    found = cache.emplace(key, Describe(kRows, k, n, memory::desc({k, n}, in, Tag::any), in, in)
+                                   .weights_desc()).first;
   return found->second;
 }
 
-// The primitive for [m, k] x [k, n]; created once per shape (creation costs milliseconds) and shared
-// by every thread: oneDNN primitives may execute concurrently.
+// The primitive for [m, k] x [k, n], created once per shape (creation costs milliseconds) and shared
+// by every thread. A row's result must not depend on how many rows share its product (speculative
+// decoding verifies T tokens in one product where the baseline runs one: greedy output is equal
+// token for token only if every token is computed bit for bit alike). oneDNN picks its kernel by
+// the row count (on AMX cores: an AVX-512 kernel for 1-2 rows of SmolLM2's head, AMX from 3), so a
+// product whose kernel differs from the one for kRows rows runs as blocks of kRows rows instead,
+// the last block padded: every row then goes through the one kernel.
 struct Product {
   matmul::primitive_desc desc;
   matmul primitive;
   bool reorders;  // its weights are not in the packed layout: reordered on every call
+  bool blocked;   // runs as blocks of kRows rows (`desc` is then the kRows-row product)
 };
 
-const Product& ProductFor(int64_t m, int64_t k, int64_t n, Dt out = Dt::f32) {
-  const memory::desc& packed = PackedDesc(k, n);
-  static std::mutex lock;
-  static std::map<std::tuple<int64_t, int64_t, int64_t, int>, Product> cache;
-  std::lock_guard<std::mutex> guard(lock);
-  auto key = std::make_tuple(m, k, n, static_cast<int>(out));
-  auto found = cache.find(key);
-  if (found == cache.end()) {
-    matmul::primitive_desc desc = Describe(m, k, n, memory::desc({k, n}, Dt::bf16, Tag::any), out);
-    bool reorders = false;
-    if (desc.weights_desc() != packed) {
-      try {
-        desc = Describe(m, k, n, packed, out);
-      } catch (const dnnl::error&) {
-        reorders = true;
-      }
+const Product& ProductFor(int64_t m, int64_t k, int64_t n, Dt in, Dt out);
+
+Product Build(int64_t m, int64_t k, int64_t n, Dt in, Dt out) {
+  const memory::desc& packed = PackedDesc(k, n, in);
+  matmul::primitive_desc desc = Describe(m, k, n, memory::desc({k, n}, in, Tag::any), in, out);
+  bool reorders = false;
+  if (desc.weights_desc() != packed) {
+    try {
+      desc = Describe(m, k, n, packed, in, out);
+    } catch (const dnnl::error&) {
+      reorders = true;
     }
-    found = cache.emplace(key, Product{desc, matmul(desc), reorders}).first;
   }
-  return found->second;
+  return Product{desc, matmul(desc), reorders, false};
+}
+
+const Product& ProductFor(int64_t m, int64_t k, int64_t n, Dt in, Dt out) {
+  static std::mutex lock;
+  static std::map<std::tuple<int64_t, int64_t, int64_t, int, int>, Product> cache;
+  std::lock_guard<std::mutex> guard(lock);
+  auto key = std::make_tuple(m, k, n, static_cast<int>(in), static_cast<int>(out));
+  auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  Product product = Build(m, k, n, in, out);
+  if (m != kRows) {
+    auto reference_key = std::make_tuple(kRows, k, n, static_cast<int>(in), static_cast<int>(out));
+    auto reference = cache.find(reference_key);
+    if (reference == cache.end())
+      reference = cache.emplace(reference_key, Build(kRows, k, n, in, out)).first;
+    if (std::string(product.desc.impl_info_str()) != reference->second.desc.impl_info_str()) {
+      product = reference->second;
+      product.blocked = true;
+    }
+  }
+  return cache.emplace(key, product).first->second;
 }
 
 // Set by specjax_cpu_matmul_always_reorder (a test's switch): every call takes the reordering path,
@@ -98,25 +123,33 @@ std::atomic<bool> always_reorder{false};
 
 namespace ffi = xla::ffi;
 
-ffi::Error Matmul(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> packed,
-                  ffi::Result<ffi::AnyBuffer> y) {
-  Dt out;
-  switch (y->element_type()) {
-    case ffi::DataType::F32: out = Dt::f32; break;
-    case ffi::DataType::BF16: out = Dt::bf16; break;
-    default: return ffi::Error::InvalidArgument("the product writes float32 or bfloat16");
+bool DataType(ffi::DataType type, Dt* dt) {
+  switch (type) {
+    case ffi::DataType::F32: *dt = Dt::f32; return true;
+    case ffi::DataType::BF16: *dt = Dt::bf16; return true;
+    default: return false;
   }
+}
+
+size_t Bytes(Dt dt) { return dt == Dt::f32 ? 4 : 2; }
+
+ffi::Error Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::Result<ffi::AnyBuffer> y) {
+  Dt in, out;
+  if (!DataType(x.element_type(), &in))
+    return ffi::Error::InvalidArgument("the product reads float32 or bfloat16");
+  if (!DataType(y->element_type(), &out) || (in == Dt::f32 && out != Dt::f32))
+    return ffi::Error::InvalidArgument("the product writes float32, or bfloat16 from bfloat16");
   auto dims = x.dimensions();
   if (dims.size() < 1) return ffi::Error::InvalidArgument("x needs at least one dimension");
   int64_t k = dims.back();
   int64_t m = 1;
   for (size_t i = 0; i + 1 < dims.size(); ++i) m *= dims[i];
   int64_t n = y->dimensions().back();
-  const memory::desc& layout = PackedDesc(k, n);
+  const memory::desc& layout = PackedDesc(k, n, in);
   if (static_cast<int64_t>(packed.size_bytes()) != static_cast<int64_t>(layout.get_size()))
     return ffi::Error::InvalidArgument("packed weight does not match this product's layout");
   if (m == 0) return ffi::Error::Success();
-  const Product& product = ProductFor(m, k, n, out);
+  const Product& product = ProductFor(m, k, n, in, out);
   // One product at a time: XLA runs independent operations concurrently, and oneDNN's own
   // scratchpad is shared by its primitives unless it was built for concurrent execution (this wheel
   // is not: concurrent products returned wrong values, about 1 in 1,600, before this lock). Each
@@ -130,11 +163,33 @@ ffi::Error Matmul(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> packed,
     wanted = memory(product.desc.weights_desc(), Engine());
     dnnl::reorder(weights, wanted).execute(stream, weights, wanted);
   }
-  memory src(product.desc.src_desc(), Engine(), x.untyped_data());
-  memory dst(product.desc.dst_desc(), Engine(), y->untyped_data());
-  product.primitive.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wanted},
-                                     {DNNL_ARG_DST, dst}});
-  stream.wait();
+  auto run = [&](void* src_data, void* dst_data) {
+    memory src(product.desc.src_desc(), Engine(), src_data);
+    memory dst(product.desc.dst_desc(), Engine(), dst_data);
+    product.primitive.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wanted},
+                                       {DNNL_ARG_DST, dst}});
+    stream.wait();
+  };
+  char* x_data = static_cast<char*>(x.untyped_data());
+  char* y_data = static_cast<char*>(y->untyped_data());
+  if (!product.blocked) {
+    run(x_data, y_data);
+    return ffi::Error::Success();
+  }
+  const size_t row_in = k * Bytes(in), row_out = n * Bytes(out);
+  thread_local std::vector<char> padded_in, padded_out;
+  for (int64_t row = 0; row < m; row += kRows) {
+    int64_t rows = std::min(kRows, m - row);
+    if (rows == kRows) {
+      run(x_data + row * row_in, y_data + row * row_out);
+      continue;
+    }
+    padded_in.assign(kRows * row_in, 0);
+    padded_out.resize(kRows * row_out);
+    std::memcpy(padded_in.data(), x_data + row * row_in, rows * row_in);
+    run(padded_in.data(), padded_out.data());
+    std::memcpy(y_data + row * row_out, padded_out.data(), rows * row_out);
+  }
   return ffi::Error::Success();
 }
 
@@ -142,20 +197,24 @@ ffi::Error Matmul(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> packed,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuMatmul, Matmul,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::AnyBuffer>());
 
 extern "C" {
 
-int64_t specjax_cpu_matmul_packed_bytes(int64_t k, int64_t n) {
-  return static_cast<int64_t>(PackedDesc(k, n).get_size());
+// `f32`: 1 for a float32 weight, 0 for bfloat16.
+static Dt WeightType(int f32) { return f32 ? Dt::f32 : Dt::bf16; }
+
+int64_t specjax_cpu_matmul_packed_bytes(int64_t k, int64_t n, int f32) {
+  return static_cast<int64_t>(PackedDesc(k, n, WeightType(f32)).get_size());
 }
 
-int specjax_cpu_matmul_pack(const void* src, int64_t k, int64_t n, void* dst) {
+int specjax_cpu_matmul_pack(const void* src, int64_t k, int64_t n, int f32, void* dst) {
   try {
-    memory plain(memory::desc({k, n}, Dt::bf16, Tag::ab), Engine(), const_cast<void*>(src));
-    const memory::desc& layout = PackedDesc(k, n);
+    Dt dt = WeightType(f32);
+    memory plain(memory::desc({k, n}, dt, Tag::ab), Engine(), const_cast<void*>(src));
+    const memory::desc& layout = PackedDesc(k, n, dt);
     std::memset(dst, 0, layout.get_size());  // the blocks' padding past k, n reads as zeros
     memory packed(layout, Engine(), dst);
     dnnl::stream stream(Engine());
@@ -167,10 +226,11 @@ int specjax_cpu_matmul_pack(const void* src, int64_t k, int64_t n, void* dst) {
   }
 }
 
-int specjax_cpu_matmul_unpack(const void* src, int64_t k, int64_t n, void* dst) {
+int specjax_cpu_matmul_unpack(const void* src, int64_t k, int64_t n, int f32, void* dst) {
   try {
-    memory packed(PackedDesc(k, n), Engine(), const_cast<void*>(src));
-    memory plain(memory::desc({k, n}, Dt::bf16, Tag::ab), Engine(), dst);
+    Dt dt = WeightType(f32);
+    memory packed(PackedDesc(k, n, dt), Engine(), const_cast<void*>(src));
+    memory plain(memory::desc({k, n}, dt, Tag::ab), Engine(), dst);
     dnnl::stream stream(Engine());
     dnnl::reorder(packed, plain).execute(stream, packed, plain);
     stream.wait();
@@ -182,8 +242,17 @@ int specjax_cpu_matmul_unpack(const void* src, int64_t k, int64_t n, void* dst) 
 
 void specjax_cpu_matmul_always_reorder(int on) { always_reorder.store(on != 0); }
 
-const char* specjax_cpu_matmul_implementation(int64_t k, int64_t n) {
-  return ProductFor(16, k, n).desc.impl_info_str();
+// oneDNN's kernel for m rows of [k, n] products (after the choice above: a blocked product names
+// the kRows-row kernel it runs).
+const char* specjax_cpu_matmul_implementation(int64_t m, int64_t k, int64_t n, int f32) {
+  Dt dt = WeightType(f32);
+  return ProductFor(m, k, n, dt, dt == Dt::f32 ? Dt::f32 : Dt::bf16).desc.impl_info_str();
+}
+
+// Whether m rows of [k, n] products run as blocks of kRows rows (their own kernel differs).
+int specjax_cpu_matmul_blocked(int64_t m, int64_t k, int64_t n, int f32) {
+  Dt dt = WeightType(f32);
+  return ProductFor(m, k, n, dt, Dt::f32).blocked ? 1 : 0;
 }
 
 }  // extern "C"

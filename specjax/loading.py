@@ -25,7 +25,7 @@ from absl import logging
 from specjax import assets, checkpoints, contracts, models, sharding
 from specjax.checkpoints import t5x
 from specjax.data import prompts
-from specjax.models import cpu_matmul, t5
+from specjax.models import cpu_kernels, t5
 from specjax.specs import EMBEDDED_SMOLLM2, ModelSpec
 from specjax.tokenizer import Tokenizer
 from specjax.vocabulary import MODEL_FILES, SentencePieceVocabulary
@@ -194,9 +194,9 @@ def load_target(spec: ModelSpec, mesh_shape: tuple = (1, 1)) -> tuple[LoadedMode
   """The model a spec names with its params placed on a ('data', 'model') mesh in the spec's dtype:
   -> (model with placed params, mesh). On more than one device the model also lays out its
   activations and caches by the sharding rules."""
-  onednn = spec.matmul == "onednn"
-  if onednn:
-    cpu_matmul.require()  # before the weights are read
+  on_cpu = spec.kernels == "cpu"
+  if on_cpu:
+    cpu_kernels.require()  # before the weights are read
   start = time.perf_counter()
   loaded = load_model(spec.checkpoint, spec.vocabulary)
   logging.info("loaded %s (%s) in %.1fs", spec.checkpoint, type(loaded.config).__name__,
@@ -205,12 +205,13 @@ def load_target(spec: ModelSpec, mesh_shape: tuple = (1, 1)) -> tuple[LoadedMode
   dtype = models.dtype_named(spec.dtype_name)
   params = sharding.place(models.cast(loaded.params, dtype),
                           models.param_shardings(loaded.config, mesh))
-  if onednn:
-    params = cpu_matmul.pack_params_for(loaded.config, params, mesh.size)
-  logging.info("%s; decoding in %s, products through %s", sharding.describe(mesh), spec.dtype_name,
-               f"oneDNN ({cpu_matmul.implementation()})" if onednn else "XLA")
+  if on_cpu:
+    params = cpu_kernels.pack_params_for(loaded.config, params, mesh.size)
+  logging.info("%s; decoding in %s on %s", sharding.describe(mesh), spec.dtype_name,
+               f"specjax's CPU kernels (oneDNN {cpu_kernels.implementation(dtype=dtype)})"
+               if on_cpu else "XLA's kernels")
   model = models.model_for(loaded.config, mesh if mesh.size > 1 else None,
-                           cpu_matmul.CACHE_DTYPE if onednn else dtype)
+                           cpu_kernels.CACHE_DTYPE if on_cpu else dtype)
   return dataclasses.replace(loaded, params=params, model=model), mesh
 
 

@@ -23,18 +23,20 @@ class ModelSpec:
   dtype: what the target and its model drafts decode in, "bfloat16" or "float32" (parameters,
   activations and KV cache; products summed, norms, softmax and logits in float32); None is float32
   (None keeps the fingerprints of runs written before the setting existed). A plan compiles at it
-  too. Speculative output equals the target's own at the same dtype (float32: token for token;
-  bfloat16: see the known gap below).
-  matmul: what runs the matrix products of a bfloat16 decode on one CPU: "onednn" (the CPU's
-  bfloat16 matrix units through oneDNN, weights packed once at load: models/cpu_matmul.py; needs
-  `bash scripts/build_cpu_matmul.sh`, which scripts/setup.sh runs) or "xla"; None is "xla". Both sum
-  in float32; their tokens can differ at near-ties. Known gap in bfloat16, on both paths: greedy
-  speculative output left the baseline's on 3 of 8 held-out SmolLM2 prompts (docs/results.md,
-  "Decoding in bfloat16"); the tiny-model lossless tests pass."""
+  too.
+  kernels: what runs a decode's matrix products and attention: "xla" (XLA's own, on any backend;
+  None is "xla") or "cpu" (specjax's CPU kernels, models/cpu_kernels.py: oneDNN products on weights
+  packed once at load, the cores' matrix units in bfloat16, and an attention whose sums run in one
+  fixed order; needs `bash scripts/build_cpu_kernels.sh`, which scripts/setup.sh runs, JAX on the
+  CPU and one device). Speculative output equals the target's own at the same dtype and kernels in
+  distribution on both; greedy output token for token is guaranteed on "cpu", where every token is
+  computed bit for bit alike however many share a target call. On "xla" a token's last bits depend
+  on how many tokens a call scores, and a near-tie can flip a greedy token (docs/results.md,
+  "Greedy output token for token")."""
   checkpoint: str = EMBEDDED_SMOLLM2
   vocabulary: str | None = None
   dtype: str | None = None
-  matmul: str | None = None
+  kernels: str | None = None
 
   @property
   def dtype_name(self) -> str:
@@ -44,12 +46,9 @@ class ModelSpec:
     if self.dtype is not None and self.dtype not in models.DTYPES:
       raise ValueError(f"ModelSpec.dtype = {self.dtype!r}: decode in one of "
                        f"{', '.join(map(repr, models.DTYPES))}")
-    if self.matmul not in (None, "xla", "onednn"):
-      raise ValueError(f"ModelSpec.matmul = {self.matmul!r}: use 'onednn' (the CPU's bfloat16 "
-                       "matrix units) or 'xla'")
-    if self.matmul == "onednn" and self.dtype_name != "bfloat16":
-      raise ValueError(f"ModelSpec.matmul = 'onednn' runs bfloat16 products; set ModelSpec.dtype = "
-                       f"'bfloat16' (it is {self.dtype_name!r}) or leave matmul unset")
+    if self.kernels not in (None, "xla", "cpu"):
+      raise ValueError(f"ModelSpec.kernels = {self.kernels!r}: use 'cpu' (specjax's CPU kernels) or "
+                       "'xla' (XLA's own, any backend)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,12 +1,13 @@
-"""Decoding in bfloat16 (specs.ModelSpec.dtype): lossless within the dtype, through XLA's products
-and through oneDNN's (specs.ModelSpec.matmul = "onednn", models/cpu_matmul.py).
+"""Decoding in bfloat16 (specs.ModelSpec.dtype): lossless within the dtype, on XLA's kernels and on
+specjax's CPU kernels (specs.ModelSpec.kernels = "cpu", models/cpu_kernels.py; tests/test_cpu_kernels.py
+checks those kernels themselves, in both dtypes).
 
-The oracle is the target decoding alone at the same dtype and on the same path: the verification of
-T tokens scores each as T single steps do, greedy speculative output equals greedy autoregressive
+The oracle is the target decoding alone at the same dtype and on the same kernels: the verification
+of T tokens scores each as T single steps do, greedy speculative output equals greedy autoregressive
 output token for token (chain and tree, both families, ragged batch), and sampled output follows the
-bfloat16 target's exact law. oneDNN's products equal XLA's to float32 rounding. Loading, drafts and
-the planner read the one setting. The oneDNN cases need scripts/build_cpu_matmul.sh, which
-scripts/setup.sh runs: without the library they fail, naming it.
+bfloat16 target's exact law. Loading, drafts and the planner read the one setting. The CPU kernels'
+cases need scripts/build_cpu_kernels.sh, which scripts/setup.sh runs: without the library they fail,
+naming it.
 """
 
 import dataclasses
@@ -22,43 +23,43 @@ from specjax import contracts, loading, models, specs
 from specjax.decoding import autoregressive, core
 from specjax.decoding.tree import Tree
 from specjax.drafters import expansion, registry
-from specjax.models import cpu_matmul, decoder_only, t5
+from specjax.models import cpu_kernels, decoder_only, t5
 
 BF16 = jnp.bfloat16
 CONFIG = decoder_only.SIZES["tiny"]
 T5_CONFIG = t5.SIZES["tiny"]
 
 
-MATMULS = ["xla", "onednn"]
+KERNELS = ["xla", "cpu"]
 
 
-def _on(matmul, config, params):
-  """params as ModelSpec.matmul `matmul` decodes with them (oneDNN: packed)."""
-  return params if matmul == "xla" else cpu_matmul.pack_params_for(config, params)
+def _on(kernels, config, params):
+  """params as ModelSpec.kernels `kernels` decodes with them (the CPU kernels: packed)."""
+  return params if kernels == "xla" else cpu_kernels.pack_params_for(config, params)
 
 
-def _model(matmul, config):
-  """The model as ModelSpec.matmul `matmul` decodes with it (oneDNN: a float32 cache, holding the
-  same bfloat16-rounded keys and values)."""
-  return models.model_for(config, None, BF16 if matmul == "xla" else cpu_matmul.CACHE_DTYPE)
+def _model(kernels, config):
+  """The model as ModelSpec.kernels `kernels` decodes with it (the CPU kernels: a float32 cache,
+  holding the same bfloat16-rounded keys and values)."""
+  return models.model_for(config, None, BF16 if kernels == "xla" else cpu_kernels.CACHE_DTYPE)
 
 
-def _decoder_pair(matmul="xla"):
+def _decoder_pair(kernels="xla"):
   """A random tiny decoder-only target in bfloat16 and its first layer as the draft."""
   params = models.cast(random_decoder_params(CONFIG, seed=5), BF16)
   draft_config, draft_params = decoder_only.truncate_layers(CONFIG, params, 1)
-  return (_model(matmul, CONFIG), _on(matmul, CONFIG, params),
-          _model(matmul, draft_config), _on(matmul, draft_config, draft_params))
+  return (_model(kernels, CONFIG), _on(kernels, CONFIG, params),
+          _model(kernels, draft_config), _on(kernels, draft_config, draft_params))
 
 
-def _t5_pair(matmul="xla", config=T5_CONFIG):
+def _t5_pair(kernels="xla", config=T5_CONFIG):
   """A random tiny T5 target in bfloat16 and, as the draft, the same with its first decoder layer
   only (its own encoder): a draft that agrees with the target part of the time."""
   params = models.cast(random_t5_params(config, seed=6), BF16)
   draft_config = dataclasses.replace(config, num_decoder_layers=1)
   draft_params = {**params, "decoder": {k: v for k, v in params["decoder"].items() if k != "layers_1"}}
-  return (_model(matmul, config), _on(matmul, config, params),
-          _model(matmul, draft_config), _on(matmul, draft_config, draft_params))
+  return (_model(kernels, config), _on(kernels, config, params),
+          _model(kernels, draft_config), _on(kernels, draft_config, draft_params))
 
 
 def _prompts(family: str, batch: int = 2):
@@ -81,20 +82,20 @@ def _step(target, params, source):
       t, pos, cache))
 
 
-@pytest.mark.parametrize("matmul", MATMULS)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("family", ["decoder-only", "T5"])
-def test_verifying_t_tokens_scores_each_as_its_single_step_does(family, matmul):
+def test_verifying_t_tokens_scores_each_as_its_single_step_does(family, kernels):
   """The logits of 5 tokens scored in one call equal those of 5 one-token calls to float32 rounding
   (the float32 sums of the last product run in another order for another row count): the bfloat16
   activations behind them are the same, since one bfloat16 rounding apart would move the logits by
   about 1e-2. A speculative loop and the target alone then see one distribution at every position."""
-  target, params, _, _ = _decoder_pair(matmul) if family == "decoder-only" else _t5_pair(matmul)
+  target, params, _, _ = _decoder_pair(kernels) if family == "decoder-only" else _t5_pair(kernels)
   prompt, lengths, source = _prompts(family, batch=1)
   session = contracts.open_session(target, params, source)
   _, cache = jax.jit(functools.partial(autoregressive.prefill, session, max_length=16))(
       prompt, lengths)
   assert {leaf.dtype for leaf in (*cache.keys, *cache.values)} == {
-      jnp.dtype(BF16 if matmul == "xla" else cpu_matmul.CACHE_DTYPE)}
+      jnp.dtype(BF16 if kernels == "xla" else cpu_kernels.CACHE_DTYPE)}
   tokens = jnp.asarray([[5, 17, 9, 42, 3]], jnp.int32)
   positions = jnp.arange(5, dtype=jnp.int32)[None] + lengths[:, None]
   step = _step(target, params, source)
@@ -108,7 +109,7 @@ def test_verifying_t_tokens_scores_each_as_its_single_step_does(family, matmul):
                              rtol=1e-5, atol=1e-5)
   # The dtype is in effect: the same weights in float32 score close to, not exactly, the same.
   f32_target = models.model_for(CONFIG if family == "decoder-only" else T5_CONFIG)
-  f32_params = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), cpu_matmul.plain(params))
+  f32_params = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), cpu_kernels.plain(params))
   f32_session = contracts.open_session(f32_target, f32_params, source)
   f32_logits, _ = jax.jit(functools.partial(autoregressive.prefill, f32_session, max_length=16))(
       prompt, lengths)
@@ -131,15 +132,15 @@ def _generate(target, params, prompt, lengths, source, temperature, new=12, seed
       params, prompt, lengths, jax.random.PRNGKey(seed), temperature, 1.0, source)
 
 
-@pytest.mark.parametrize("matmul", MATMULS)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("family,tree", [("decoder-only", "chain:3"), ("decoder-only", "spine:3x2"),
                                          ("T5", "chain:3"), ("T5 1.0", "spine:3x2")])
-def test_greedy_speculative_output_equals_the_targets_own_in_bfloat16(family, tree, matmul):
+def test_greedy_speculative_output_equals_the_targets_own_in_bfloat16(family, tree, kernels):
   if family == "decoder-only":
-    target, params, draft, draft_params = _decoder_pair(matmul)
-  else:  # T5 1.0 ties its head to the embedding: oneDNN reads the packed transposed table
+    target, params, draft, draft_params = _decoder_pair(kernels)
+  else:  # T5 1.0 ties its head to the embedding: the CPU kernels read the packed transposed table
     target, params, draft, draft_params = _t5_pair(
-        matmul, T5_CONFIG if family == "T5" else t5.SIZES["tiny-1.0"])
+        kernels, T5_CONFIG if family == "T5" else t5.SIZES["tiny-1.0"])
   prompt, lengths, source = _prompts(family)
   tree = Tree.from_name(tree)
   from specjax.drafters.model import ModelDrafter  # pylint: disable=import-outside-toplevel
@@ -152,19 +153,19 @@ def test_greedy_speculative_output_equals_the_targets_own_in_bfloat16(family, tr
   assert n[n >= 0].max() > 0  # drafts were accepted: the verification's logits were read
 
 
-@pytest.mark.parametrize("matmul", MATMULS)
-def test_sampled_speculative_output_follows_the_bfloat16_targets_law(matmul):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_sampled_speculative_output_follows_the_bfloat16_targets_law(kernels):
   """4000 rows from one prompt at temperature 1, a 1-layer draft proposing 2 tokens: each of the 3
   output positions' token counts vs the exact law of the bfloat16 target, enumerated over every
   history (conftest.assert_follows_laws: chi-square p < 1e-6 fails, so the false-failure rate is
   below 3e-6; total variation < 0.06). A draft distribution leaking into the output moves them."""
   config = dataclasses.replace(CONFIG, vocab_size=8)
   params = models.cast(random_decoder_params(config, seed=8, scale=0.3), BF16)
-  target = _model(matmul, config)
+  target = _model(kernels, config)
   draft_config, draft_params = decoder_only.truncate_layers(config, params, 1)
-  params, draft_params = _on(matmul, config, params), _on(matmul, draft_config, draft_params)
+  params, draft_params = _on(kernels, config, params), _on(kernels, draft_config, draft_params)
   from specjax.drafters.model import ModelDrafter  # pylint: disable=import-outside-toplevel
-  drafter = expansion.expand(ModelDrafter(_model(matmul, draft_config)),
+  drafter = expansion.expand(ModelDrafter(_model(kernels, draft_config)),
                              Tree.chain(2), sample=True)
   rows = 4000
   prompt, lengths = jnp.full((rows, 1), 2, jnp.int32), jnp.ones((rows,), jnp.int32)
@@ -207,105 +208,3 @@ def test_the_setting_reaches_the_target_its_drafts_and_the_heads_check(smollm2_t
   assert floating(float32) == {jnp.dtype(jnp.float32)}
   assert heads.target_fingerprint(loaded.config, float32) == heads.target_fingerprint(
       loaded.config, loaded.params)
-
-
-@pytest.mark.parametrize("shape,rows", [((64, 128), (1,)), ((100, 37), (2, 3)), ((576, 1536), (5,))])
-def test_onednn_products_equal_xlas_to_float32_rounding(shape, rows):
-  """x[..., k] x kernel[k, n] on oneDNN against XLA's bfloat16 product summed in float32, odd shapes
-  included (oneDNN pads them in its blocked layout), and the packed kernel unpacks to itself."""
-  rng = np.random.RandomState(0)
-  kernel = jnp.asarray(rng.standard_normal(shape), BF16)
-  x = jnp.asarray(rng.standard_normal((*rows, shape[0])), BF16)
-  packed = cpu_matmul.pack(kernel)
-  ours = jax.jit(cpu_matmul.matmul)(x, packed)
-  xla = jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
-  assert ours.shape == xla.shape and ours.dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), rtol=1e-5,
-                             atol=1e-5 * float(np.abs(np.asarray(xla)).max()))
-  np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack(packed)), np.asarray(kernel))
-  # A row count whose product wants another weight layout than the packed one (AMX may) reorders
-  # the packed weight on each call: the same product.
-  lib = cpu_matmul.require()
-  lib.specjax_cpu_matmul_always_reorder(1)
-  try:
-    reordered = jax.jit(cpu_matmul.matmul)(x, packed)
-  finally:
-    lib.specjax_cpu_matmul_always_reorder(0)
-  np.testing.assert_array_equal(np.asarray(reordered), np.asarray(ours))
-  with pytest.raises(ValueError, match=r"x\[\.\.\., 3\] against a packed"):
-    cpu_matmul.matmul(jnp.ones((1, 3), BF16), packed)
-
-
-@pytest.mark.parametrize("family", ["decoder-only", "T5", "T5 1.0"])
-def test_onednn_scores_a_prompt_as_xla_does(family):
-  """A prefill's logits on the packed params equal XLA's bfloat16 path's to float32 rounding: the
-  products are summed in another order, every bfloat16 rounding between them is the same. The
-  packed params (fused q / k / v and gate / up kernels, a tied head's transposed copy) unpack to
-  the params they were packed from, bit for bit."""
-  results, trees = [], []
-  for matmul in MATMULS:
-    if family == "decoder-only":
-      target, params, _, _ = _decoder_pair(matmul)
-    else:
-      target, params, _, _ = _t5_pair(matmul, T5_CONFIG if family == "T5" else t5.SIZES["tiny-1.0"])
-    assert cpu_matmul.is_packed(params) == (matmul == "onednn")
-    trees.append(cpu_matmul.plain(params))
-    if family == "decoder-only" and matmul == "onednn":  # each block runs 4 products, not 7
-      assert set(params["layers_0"]["attn"]) == {"wq+wk+wv", "wo"}
-      assert set(params["layers_0"]["mlp"]) == {"w_gate+w_up", "w_down"}
-    prompt, lengths, source = _prompts(family.split(" ")[0])
-    session = contracts.open_session(target, params, source)
-    results.append(np.asarray(jax.jit(functools.partial(
-        autoregressive.prefill, session, max_length=16))(prompt, lengths)[0]))
-  np.testing.assert_allclose(results[1], results[0], rtol=1e-4, atol=1e-4)
-  assert jax.tree_util.tree_structure(trees[1]) == jax.tree_util.tree_structure(trees[0])
-  jax.tree_util.tree_map(np.testing.assert_array_equal, trees[1], trees[0])
-
-
-def test_onednn_setting_is_checked_and_reaches_the_target_and_its_drafts(smollm2_two_blocks,
-                                                                        monkeypatch):
-  with pytest.raises(ValueError, match=r"ModelSpec.matmul = 'mkl': use 'onednn'"):
-    specs.ModelSpec(str(smollm2_two_blocks), dtype="bfloat16", matmul="mkl")
-  with pytest.raises(ValueError, match=r"matmul = 'onednn' runs bfloat16 products; set "
-                                       r"ModelSpec.dtype = 'bfloat16' \(it is 'float32'\)"):
-    specs.ModelSpec(str(smollm2_two_blocks), matmul="onednn")
-  spec = specs.ModelSpec(str(smollm2_two_blocks), dtype="bfloat16", matmul="onednn")
-  loaded, _ = loading.load_target(spec)
-  assert cpu_matmul.is_packed(loaded.params) and cpu_matmul.HEAD in loaded.params  # tied head
-  assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(loaded.model.init_cache(1, 8))
-          if jnp.issubdtype(leaf.dtype, jnp.floating)} == {jnp.dtype(cpu_matmul.CACHE_DTYPE)}
-  target = registry.Target(loaded.config, loaded.params)
-  for name in ("layers1", f"model:{smollm2_two_blocks}"):
-    _, draft_params = registry.build(name, target, Tree.chain(2))
-    assert cpu_matmul.is_packed(draft_params), name
-  # Heads trained for these weights recognise them packed.
-  from specjax.drafters import heads  # pylint: disable=import-outside-toplevel
-  plain = loading.load_target(dataclasses.replace(spec, matmul=None))[0].params
-  assert heads.target_fingerprint(loaded.config, loaded.params) == heads.target_fingerprint(
-      loaded.config, plain)
-  # Without the library the setting names the script that builds it, before any work.
-  monkeypatch.setattr(cpu_matmul, "LIBRARY", "/nonexistent/libspecjax_cpu_matmul.so")
-  cpu_matmul._library.cache_clear()  # pylint: disable=protected-access
-  try:
-    with pytest.raises(RuntimeError, match=r"needs /nonexistent/libspecjax_cpu_matmul.so, which "
-                                           r"is not built: bash scripts/build_cpu_matmul.sh"):
-      loading.load_target(spec)
-  finally:
-    cpu_matmul._library.cache_clear()  # pylint: disable=protected-access
-
-
-def test_onednn_products_run_alone_when_xla_runs_them_concurrently():
-  """16 independent products in one program (XLA may run them at once): every one equals XLA's, in
-  each of 100 runs. Before the custom call ran one product at a time, about 1 in 1,600 came back
-  wrong (oneDNN's shared scratchpad); with the lock the results are deterministic, so this test
-  cannot fail by chance."""
-  rng = np.random.RandomState(1)
-  kernels = [jnp.asarray(rng.standard_normal((64, 96)), BF16) for _ in range(16)]
-  packed = [cpu_matmul.pack(kernel) for kernel in kernels]
-  x = jnp.asarray(rng.standard_normal((3, 64)), BF16)
-  products = jax.jit(lambda x, ks: [cpu_matmul.matmul(x * (i + 1), k) for i, k in enumerate(ks)])
-  expected = [np.asarray(jnp.matmul(x * (i + 1), k, preferred_element_type=jnp.float32))
-              for i, k in enumerate(kernels)]
-  for _ in range(100):
-    for ours, theirs in zip(products(x, packed), expected):
-      np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-5, atol=1e-3)

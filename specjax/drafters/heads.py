@@ -35,7 +35,7 @@ import numpy as np
 from specjax import contracts
 from specjax.decoding import tree as trees
 from specjax.drafters import expansion
-from specjax.models import cpu_matmul
+from specjax.models import cpu_kernels
 
 FORMAT = 1
 WEIGHTS_FILE = "heads.npz"
@@ -163,7 +163,7 @@ def target_fingerprint(target_config, target_params, samples_per_leaf: int = 102
   they were loaded from. Costs one read of the weights (a fraction of a second for SmolLM2).
   rounded=False: the float32 digest of heads trained before (their dtype and unrounded values)."""
   digest = hashlib.sha256(json.dumps(dataclasses.asdict(target_config), sort_keys=True).encode())
-  leaves = jax.tree_util.tree_flatten_with_path(cpu_matmul.plain(target_params))[0]
+  leaves = jax.tree_util.tree_flatten_with_path(cpu_kernels.plain(target_params))[0]
   for path, leaf in sorted(leaves, key=lambda item: jax.tree_util.keystr(item[0])):
     values = np.asarray(leaf)
     if rounded and jnp.issubdtype(values.dtype, jnp.floating):

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from specjax import checkpoints, contracts, models, sharding
 from specjax.contracts import Source, Transform
 from specjax.decoding import autoregressive
-from specjax.models import cpu_matmul, decoder_only
+from specjax.models import cpu_kernels, decoder_only
 
 
 @flax.struct.dataclass
@@ -86,12 +86,12 @@ def placed(config, params, mesh: Mesh | None, dtype=jnp.float32, packed: bool = 
   """A model draft decoding in `dtype` with its params on the device(s): sharded on `mesh` when
   given; with `packed` (a target whose products run on oneDNN) its kernels packed the same way."""
   params = models.cast(params, dtype)
-  if cpu_matmul.is_packed(params):  # a truncated packed target
+  if cpu_kernels.is_packed(params):  # a truncated packed target
     packed = True
   elif packed:
-    params = cpu_matmul.pack_params_for(config, params)
+    params = cpu_kernels.pack_params_for(config, params)
   if mesh is None:
-    cache_dtype = cpu_matmul.CACHE_DTYPE if packed else dtype
+    cache_dtype = cpu_kernels.CACHE_DTYPE if packed else dtype
     return ModelDrafter(models.model_for(config, None, cache_dtype)), jax.device_put(params)
   return (ModelDrafter(models.model_for(config, mesh, dtype)),
           sharding.place(params, models.param_shardings(config, mesh)))

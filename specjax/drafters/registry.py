@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from specjax import contracts, loading
 from specjax.decoding.tree import Tree
 from specjax.drafters import expansion, heads, lookup, model, mtp, tables
-from specjax.models import cpu_matmul
+from specjax.models import cpu_kernels
 
 LOOKUP_FRONT = "lookup+"
 
@@ -242,7 +242,7 @@ register(Kind(
     "model", label="draft model", checkpoint=True, missing=_TRAIN_DRAFT,
     build=lambda spec, target, tree, sample: model.load_model_draft(
         spec.checkpoint, target.config, target.mesh, target.dtype,
-        cpu_matmul.is_packed(target.params)),
+        cpu_kernels.is_packed(target.params)),
     plan=lambda spec, target_config: Planned(checkpoint=spec.checkpoint)))
 register(Kind(
     "layers", label="early exit",

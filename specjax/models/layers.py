@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from specjax import axes, sharding
-from specjax.models import cpu_matmul, kv_cache
+from specjax.models import cpu_kernels, kv_cache
 
 # Logical layouts of the activations a layer constrains.
 ACTIVATIONS = (axes.BATCH, axes.LENGTH, axes.EMBED)
@@ -27,37 +27,37 @@ LOGITS = (axes.BATCH, axes.LENGTH, axes.VOCAB)
 def dense(x: jax.Array, kernel, float32_out: bool = False) -> jax.Array:
   """x[..., in] @ kernel[in, out], summed in float32 and returned in x's dtype (or in float32 with
   `float32_out`): bfloat16 activations keep float32 accumulation (in float32 this is the plain
-  product). A kernel cpu_matmul.pack_params packed runs on oneDNN."""
-  if isinstance(kernel, cpu_matmul.PackedKernel):
-    return cpu_matmul.matmul(x, kernel, jnp.float32 if float32_out else x.dtype)
+  product). A kernel cpu_kernels.pack_params packed runs on oneDNN (in the kernel's dtype)."""
+  if isinstance(kernel, cpu_kernels.PackedKernel):
+    return cpu_kernels.matmul(x, kernel, jnp.float32 if float32_out else x.dtype)
   product = jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
   return product if float32_out else product.astype(x.dtype)
 
 
 def tied_logits(module: nn.Module, x: jax.Array, embedding: jax.Array) -> jax.Array:
   """x[B, T, E] against a tied embedding table[V, E] -> logits[B, T, V] float32; through the packed
-  transposed table where cpu_matmul.pack_params put one beside the table (in `module`'s params)."""
-  if module.has_variable("params", cpu_matmul.HEAD):
-    return cpu_matmul.matmul(x, module.get_variable("params", cpu_matmul.HEAD))
+  transposed table where cpu_kernels.pack_params put one beside the table (in `module`'s params)."""
+  if module.has_variable("params", cpu_kernels.HEAD):
+    return cpu_kernels.matmul(x, module.get_variable("params", cpu_kernels.HEAD))
   return jnp.einsum("bte,ve->btv", x, embedding, preferred_element_type=jnp.float32)
 
 
 def fused_dense(module: nn.Module, x: jax.Array, names: tuple) -> list[jax.Array] | None:
-  """x through the kernels `names` as one product, where cpu_matmul.pack_params fused them (one
+  """x through the kernels `names` as one product, where cpu_kernels.pack_params fused them (one
   output per kernel, in x's dtype); None where they are separate kernels."""
-  name = cpu_matmul.fused_name(names)
+  name = cpu_kernels.fused_name(names)
   if not module.has_variable("params", name):
     return None
   fused = module.get_variable("params", name)
-  return cpu_matmul.split(cpu_matmul.matmul(x, fused, x.dtype), fused)
+  return cpu_kernels.split(cpu_kernels.matmul(x, fused, x.dtype), fused)
 
 
 def param(module: nn.Module, name: str, shape, logical_axes, init=None, dtype=jnp.float32):
   """module.param with logical axis names (for sharding.py); normal(0.02) unless `init` says. A
-  kernel cpu_matmul.pack_params packed is returned as it is (flax would check its shape)."""
+  kernel cpu_kernels.pack_params packed is returned as it is (flax would check its shape)."""
   if module.has_variable("params", name):
     value = module.get_variable("params", name)
-    if isinstance(value, cpu_matmul.PackedKernel):
+    if isinstance(value, cpu_kernels.PackedKernel):
       return value
   init = init or nn.initializers.normal(stddev=0.02)
   return module.param(name, nn.with_logical_partitioning(init, logical_axes), shape, dtype)
@@ -137,24 +137,25 @@ class CachedAttention(nn.Module):
     wo = param(self, "wo", (h * d, embed), (axes.HEADS, axes.EMBED))
     q, k, v = fused
     q = rope(q.reshape(batch, steps, h, d), positions, self.rope_theta)
-    q = sharding.constrain(q, HEAD_ACTIVATIONS, self.mesh)
     k = rope(k.reshape(batch, steps, kv, d), positions, self.rope_theta)
     v = v.reshape(batch, steps, kv, d)
     slots = positions if slots is None else slots
+    if visible is None:
+      visible = kv_cache.attention_mask(positions, keys.shape[1])
+    if isinstance(wo, cpu_kernels.PackedKernel):  # the CPU kernels (cpu_kernels.py): fixed-order sums
+      keys, values = cpu_kernels.cache_write(keys, values, k, v, slots)
+      out = cpu_kernels.attention(q, keys, values, visible, scale=d ** -0.5).astype(x.dtype)
+      return dense(out.reshape(batch, steps, h * d), wo), keys, values
+    q = sharding.constrain(q, HEAD_ACTIVATIONS, self.mesh)
     keys = sharding.constrain(kv_cache.write(keys, k, slots), kv_cache.LOGICAL_AXES, self.mesh)
     values = sharding.constrain(kv_cache.write(values, v, slots), kv_cache.LOGICAL_AXES, self.mesh)
     q = q.reshape(batch, steps, kv, h // kv, d)
-    # XLA:CPU's bfloat16 products are several times slower than its float32 ones; where the kernels
-    # run on oneDNN (so on a CPU) the attention's products run in float32.
-    upcast = jnp.float32 if isinstance(wo, cpu_matmul.PackedKernel) else x.dtype
-    scores = jnp.einsum("btkgd,bskd->bkgts", q.astype(upcast), keys.astype(upcast),
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(x.dtype),
                         preferred_element_type=jnp.float32) * (d ** -0.5)
-    if visible is None:
-      visible = kv_cache.attention_mask(positions, keys.shape[1])
     mask = visible[:, None, None]
     scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype).astype(upcast)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, values.astype(upcast),
+    weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, values.astype(x.dtype),
                      preferred_element_type=jnp.float32).astype(x.dtype)
     return dense(out.reshape(batch, steps, h * d), wo), keys, values
 

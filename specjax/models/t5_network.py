@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from specjax import axes, sharding
-from specjax.models import kv_cache, layers
+from specjax.models import cpu_kernels, kv_cache, layers
 from specjax.models.layers import RMSNorm, param
 
 
@@ -190,13 +190,23 @@ class _Attention(_Module):
     """x[B, S, E] -> (keys, values), each [B, S, heads, head_dim]."""
     return self._heads(self.key(x)), self._heads(self.value(x))
 
+  def on_cpu_kernels(self) -> bool:
+    """Whether this model's kernels are packed for specjax's CPU kernels (models/cpu_kernels.py):
+    then its attention runs there too."""
+    kernel = self.out.variables.get("params", {}).get("kernel")
+    return isinstance(kernel, cpu_kernels.PackedKernel)
+
   def __call__(self, x, keys, values, mask, bias=None):
     """Queries from x[B, T, E] over keys / values [B, S, heads, head_dim] -> [B, T, E].
 
-    mask: bool, broadcastable to [B, heads, T, S]; bias: float32 [B or 1, heads, T, S] or None.
-    No 1/sqrt(head_dim) on the logits: T5 folds it into the query init.
+    mask: bool [B, 1, T or 1, S] (broadcast over heads, and over queries where it has one); bias:
+    float32 [B or 1, heads, T, S] or None. No 1/sqrt(head_dim) on the logits: T5 folds it into the
+    query init.
     """
     q = self._heads(self.query(x))
+    if self.on_cpu_kernels():
+      out = cpu_kernels.attention(q, keys, values, mask[:, 0], bias).astype(x.dtype)
+      return self.out(out.reshape(*x.shape[:-1], -1))
     scores = jnp.einsum("bthd,bshd->bhts", q, keys.astype(q.dtype),
                         preferred_element_type=jnp.float32)
     if bias is not None:
@@ -267,8 +277,11 @@ class _DecoderLayer(_Module):
     h = self.pre_self_attention_layer_norm(x)
     new_keys, new_values = self.self_attention.project_kv(h)
     slots = positions if slots is None else slots
-    keys = self.constrain(kv_cache.write(keys, new_keys, slots), kv_cache.LOGICAL_AXES)
-    values = self.constrain(kv_cache.write(values, new_values, slots), kv_cache.LOGICAL_AXES)
+    if self.self_attention.on_cpu_kernels():
+      keys, values = cpu_kernels.cache_write(keys, values, new_keys, new_values, slots)
+    else:
+      keys = self.constrain(kv_cache.write(keys, new_keys, slots), kv_cache.LOGICAL_AXES)
+      values = self.constrain(kv_cache.write(values, new_values, slots), kv_cache.LOGICAL_AXES)
     if visible is None:
       visible = kv_cache.attention_mask(positions, keys.shape[1])
     mask = visible[:, None]

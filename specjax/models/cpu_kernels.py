@@ -1,0 +1,274 @@
+"""specjax's CPU kernels, behind `ModelSpec.kernels = "cpu"`: matrix products through oneDNN and
+attention over the KV cache, both XLA FFI custom calls (csrc/, built into .venv/lib by
+scripts/build_cpu_kernels.sh, which scripts/setup.sh runs).
+
+Why not XLA's own kernels on a CPU:
+  * Speed. XLA:CPU's products of a few rows cost what they compute, not what they read (a 5-token
+    verification of SmolLM2 in float32 costs 1.5-1.9 one-token steps), and it has no fast bfloat16
+    product at all. oneDNN, on weights reordered once at load into its blocked layout
+    (`pack_params`), streams them at about the memory's speed for 1-17 rows in float32 and runs
+    bfloat16 on the cores' matrix units (AVX-512 BF16, AMX) where they have them (docs/results.md).
+  * Exactness. XLA's products and its attention compute a token's last bits differently depending
+    on how many tokens share the call (a product of 1 row is not row 0 of a product of 5) and on the
+    cache buffer's length, so a speculative verification of T tokens and the one-token baseline
+    disagree in the last bits, and now and then a near-tie flips a greedy token (it did on 3 of 8
+    held-out SmolLM2 prompts in bfloat16). Here every row of a product goes through one kernel
+    whatever the row count (oneDNN picks kernels by row count: a count whose kernel differs from the
+    16-row one runs as padded blocks of 16 rows), and the attention sums each query over the slots
+    it sees in increasing order (csrc/attention.cc), so greedy speculative output equals greedy
+    autoregressive output token for token, chains and trees, both families, both dtypes.
+
+`pack_params` replaces every 2-D kernel of a params tree with a `PackedKernel`; `layers.dense` sends
+x x PackedKernel to `matmul`; a model whose kernels are packed also runs its decoder attention
+through `attention` and `cache_write` (layers.CachedAttention, the T5 decoder). A decode on these
+kernels keeps its KV cache in float32 (CACHE_DTYPE). Only for decoding: packed params are not for
+training (no gradient) or a mesh of more than one device (the calls run on one host's CPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LIBRARY = os.path.join(sys.prefix, "lib", "libspecjax_cpu.so")
+TARGETS = {"specjax_cpu_matmul": "SpecjaxCpuMatmul", "specjax_cpu_attention": "SpecjaxCpuAttention",
+           "specjax_cpu_cache_write": "SpecjaxCpuCacheWrite"}
+BUILD_FIX = "bash scripts/build_cpu_kernels.sh builds it (bash scripts/setup.sh runs it)"
+SETTING = "ModelSpec.kernels = 'cpu'"
+
+
+@flax.struct.dataclass
+class PackedKernel:
+  """A [in, out] bfloat16 or float32 kernel in oneDNN's blocked layout: `data` holds its bytes."""
+  data: jax.Array
+  shape: tuple = flax.struct.field(pytree_node=False)
+  # Kernels fused side by side into this one (FUSED): ((name, columns), ...); empty for one kernel.
+  parts: tuple = flax.struct.field(pytree_node=False, default=())
+  dtype: str = flax.struct.field(pytree_node=False, default="bfloat16")
+
+  @property
+  def nbytes(self) -> int:
+    return self.data.nbytes
+
+
+@functools.cache
+def _library():
+  """The built library with its FFI target registered, or None when it is not built."""
+  if not os.path.exists(LIBRARY):
+    return None
+  lib = ctypes.CDLL(LIBRARY)
+  lib.specjax_cpu_matmul_packed_bytes.restype = ctypes.c_int64
+  lib.specjax_cpu_matmul_packed_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+  lib.specjax_cpu_matmul_pack.restype = ctypes.c_int
+  lib.specjax_cpu_matmul_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                          ctypes.c_int, ctypes.c_void_p]
+  lib.specjax_cpu_matmul_unpack.restype = ctypes.c_int
+  lib.specjax_cpu_matmul_unpack.argtypes = lib.specjax_cpu_matmul_pack.argtypes
+  lib.specjax_cpu_matmul_always_reorder.argtypes = [ctypes.c_int]
+  lib.specjax_cpu_matmul_implementation.restype = ctypes.c_char_p
+  lib.specjax_cpu_matmul_implementation.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
+  lib.specjax_cpu_matmul_blocked.restype = ctypes.c_int
+  lib.specjax_cpu_matmul_blocked.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
+  for target, symbol in TARGETS.items():
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+  return lib
+
+
+def available() -> bool:
+  return _library() is not None
+
+
+def implementation(k: int = 576, n: int = 1536, rows: int = 16, dtype=jnp.bfloat16) -> str:
+  """oneDNN's kernel for `rows` rows of a [k, n] product on this CPU, e.g. 'brg:avx512_core_bf16'
+  (AVX-512 BF16) or 'brg:avx512_core_amx' (AMX); requires the library."""
+  return require().specjax_cpu_matmul_implementation(rows, k, n, _is_f32(dtype)).decode()
+
+
+def blocked(rows: int, k: int, n: int, dtype=jnp.bfloat16) -> bool:
+  """Whether `rows` rows of a [k, n] product run as blocks of 16 rows: oneDNN's own kernel for that
+  row count is another than for 16 rows, and every row must go through one kernel."""
+  return bool(require().specjax_cpu_matmul_blocked(rows, k, n, _is_f32(dtype)))
+
+
+def _is_f32(dtype) -> int:
+  dtype = jnp.dtype(dtype)
+  if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"oneDNN products here read float32 or bfloat16, not {dtype}")
+  return int(dtype == jnp.float32)
+
+
+def require():
+  lib = _library()
+  if lib is None:
+    raise RuntimeError(f"{SETTING} needs {LIBRARY}, which is not built: {BUILD_FIX}")
+  return lib
+
+
+def pack(kernel, dtype=jnp.bfloat16) -> PackedKernel:
+  """A [in, out] kernel, cast to `dtype` (bfloat16 or float32), in oneDNN's layout, on the host."""
+  lib = require()
+  k, n = kernel.shape
+  f32 = _is_f32(dtype)
+  plain = np.ascontiguousarray(np.asarray(jnp.asarray(kernel, dtype)))
+  packed = np.empty(lib.specjax_cpu_matmul_packed_bytes(k, n, f32), np.uint8)
+  if lib.specjax_cpu_matmul_pack(plain.ctypes.data, k, n, f32, packed.ctypes.data):
+    raise RuntimeError(f"oneDNN could not pack a [{k}, {n}] {jnp.dtype(dtype).name} kernel")
+  return PackedKernel(jnp.asarray(packed), (k, n), dtype=jnp.dtype(dtype).name)
+
+
+def unpack(kernel: PackedKernel) -> jax.Array:
+  """The [in, out] kernel a PackedKernel was packed from, in its dtype."""
+  lib = require()
+  k, n = kernel.shape
+  packed = np.ascontiguousarray(np.asarray(kernel.data))
+  plain = np.empty((k, n), jnp.dtype(kernel.dtype))
+  if lib.specjax_cpu_matmul_unpack(packed.ctypes.data, k, n, _is_f32(kernel.dtype),
+                                   plain.ctypes.data):
+    raise RuntimeError(f"oneDNN could not unpack a [{k}, {n}] {kernel.dtype} kernel")
+  return jnp.asarray(plain)
+
+
+def matmul(x: jax.Array, kernel: PackedKernel, out_dtype=jnp.float32) -> jax.Array:
+  """x[..., in] x kernel -> [..., out] in `out_dtype`, summed in float32. x is read in the kernel's
+  dtype; a float32 kernel writes float32, a bfloat16 one float32 or bfloat16."""
+  k, n = kernel.shape
+  if x.shape[-1] != k:
+    raise ValueError(f"x[..., {x.shape[-1]}] against a packed [{k}, {n}] kernel")
+  if kernel.dtype == "float32":
+    out_dtype = jnp.float32
+  call = jax.ffi.ffi_call("specjax_cpu_matmul",
+                          jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype),
+                          vmap_method="sequential")
+  return call(x.astype(kernel.dtype), kernel.data)
+
+
+def attention(queries: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array,
+              bias: jax.Array | None = None, scale: float = 1.0) -> jax.Array:
+  """Softmax attention of queries[B, T, H, D] over keys / values[B, S, KV, D] (head h reads kv head
+  h // (H // KV)) -> [B, T, H, D] float32. visible: bool [B, T, S], or [B, 1, S] shared by a row's
+  queries; bias: float32 [B or 1, H, T, S] added to the scaled scores, or None. Each query's output is
+  summed over the slots it sees in increasing order, skipping the rest (csrc/attention.cc): it does
+  not depend on the other queries, the buffer's length or where its unseen slots lie."""
+  f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+  call = jax.ffi.ffi_call("specjax_cpu_attention",
+                          jax.ShapeDtypeStruct(queries.shape, jnp.float32),
+                          vmap_method="sequential")
+  return call(f32(queries), f32(keys), f32(values), jnp.asarray(visible, bool),
+              f32(bias) if bias is not None else jnp.zeros((0,), jnp.float32),
+              scale=np.float32(scale))
+
+
+def cache_write(keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_values: jax.Array,
+                slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """kv_cache.write for both buffers of a layer at once, in place: new_keys / new_values[B, T, KV, D]
+  into keys / values[B, S, KV, D] (float32) at slots[B, T]; a slot outside the buffer is dropped."""
+  call = jax.ffi.ffi_call("specjax_cpu_cache_write",
+                          (jax.ShapeDtypeStruct(keys.shape, jnp.float32),
+                           jax.ShapeDtypeStruct(values.shape, jnp.float32)),
+                          vmap_method="sequential", input_output_aliases={0: 0, 1: 1})
+  return call(keys, values, new_keys.astype(jnp.float32), new_values.astype(jnp.float32),
+              slots.astype(jnp.int32))
+
+
+# The params of one decoder-only or T5 network a tied head reads transposed: packed as their own
+# leaf (the table itself stays for the embedding lookup).
+HEAD = "packed_head"
+# Kernels that read the same input, packed side by side as one product (each call costs oneDNN's
+# fork and join: fusing brings SmolLM2's step from 211 products to 121). Layers look for the fused
+# kernel under fused_name(names) (layers.fused_dense).
+FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))
+
+
+def fused_name(names) -> str:
+  return "+".join(names)
+
+
+def split(y: jax.Array, kernel: PackedKernel) -> list[jax.Array]:
+  """A fused product's output [..., sum of columns] -> one array per fused kernel."""
+  bounds = np.cumsum([columns for _, columns in kernel.parts])[:-1]
+  return jnp.split(y, bounds, axis=-1)
+
+
+def pack_params(params, tied_head: bool):
+  """Every 2-D kernel of a model's params packed for oneDNN in its own dtype (float32 or bfloat16),
+  the FUSED groups side by side as one. Embedding tables stay (the lookup gathers rows); with
+  `tied_head` (a head that reads the table transposed) each gains a packed transposed copy at HEAD
+  beside it. Leaves that are not kernels (norm scales, relative position tables, token id lists)
+  stay as they are."""
+  def walk(tree):
+    out = {}
+    tree = dict(tree)
+    for names in FUSED:
+      if all(getattr(tree.get(name), "ndim", 0) == 2 for name in names):
+        kernels = [tree.pop(name) for name in names]
+        fused = pack(jnp.concatenate(kernels, axis=1), kernels[0].dtype)
+        out[fused_name(names)] = fused.replace(
+            parts=tuple((name, k.shape[1]) for name, k in zip(names, kernels)))
+    for name, value in tree.items():
+      if isinstance(value, dict):
+        out[name] = walk(value)
+      elif name == "embedding" and getattr(value, "ndim", 0) == 2:
+        out[name] = value
+        if tied_head:
+          out[HEAD] = pack(jnp.asarray(value).T, value.dtype)
+      elif getattr(value, "ndim", 0) == 2 and jnp.issubdtype(value.dtype, jnp.floating) \
+          and name not in ("rel_embedding",):
+        out[name] = pack(value, value.dtype)
+      else:
+        out[name] = value
+    return out
+  return walk(params)
+
+
+# The KV cache of a decode on these kernels: float32, which the attention reads. In a bfloat16 decode
+# it holds the same bfloat16-rounded keys and values a bfloat16 cache would (they come out of
+# bfloat16 products and RoPE), so the tokens are the same.
+CACHE_DTYPE = jnp.float32
+
+
+def pack_params_for(config, params, devices: int = 1):
+  """A decoder-only or T5 model's params packed (pack_params, its head tied or not), after checking
+  what the custom call needs: the library, JAX on the CPU, one device."""
+  require()
+  if jax.default_backend() != "cpu":
+    raise ValueError(f"{SETTING} runs on the CPU; JAX runs on {jax.default_backend()} here: "
+                     "leave ModelSpec.kernels unset (XLA's)")
+  if devices > 1:
+    raise ValueError(f"{SETTING} runs on one device; the mesh has {devices}: leave "
+                     "ModelSpec.kernels unset (XLA's) or use a (1, 1) mesh")
+  return pack_params(params, tied_head=bool(getattr(config, "tie_embeddings", False)))
+
+
+def plain(params):
+  """A params tree as it was before pack_params (what reads the weights themselves, e.g. a
+  fingerprint of the target, sees the same tree from a packed target as from an unpacked one)."""
+  if not is_packed(params):
+    return params
+  def walk(tree):
+    out = {}
+    for name, value in tree.items():
+      if name == HEAD:
+        continue
+      if isinstance(value, dict):
+        out[name] = walk(value)
+      elif isinstance(value, PackedKernel) and value.parts:
+        out.update(zip([part for part, _ in value.parts], split(unpack(value), value)))
+      elif isinstance(value, PackedKernel):
+        out[name] = unpack(value)
+      else:
+        out[name] = value
+    return out
+  return walk(params)
+
+
+def is_packed(params) -> bool:
+  """Whether a params tree holds packed kernels (a draft of a packed target is packed too)."""
+  return any(isinstance(leaf, PackedKernel) for leaf in jax.tree_util.tree_leaves(
+      params, is_leaf=lambda x: isinstance(x, PackedKernel)))

@@ -1,0 +1,291 @@
+"""specjax's CPU kernels (specs.ModelSpec.kernels = "cpu", models/cpu_kernels.py, csrc/).
+
+Oracles: XLA's products and a float64 numpy attention (values to float32 rounding); and the property
+the kernels exist for, exactness: a row of a product and a query of the attention come out bit for bit
+the same whatever else shares the call, so the target's verification of T tokens (a chain, or a
+token tree whose nodes sit in scattered slots) scores each token exactly as its one-token step does,
+and greedy speculative output equals greedy autoregressive output by construction. Needs
+scripts/build_cpu_kernels.sh, which scripts/setup.sh runs: without the library these fail, naming it.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import random_decoder_params, random_t5_params
+from specjax import contracts, loading, models, specs
+from specjax.decoding import autoregressive
+from specjax.decoding import tree as trees
+from specjax.decoding.tree import Tree
+from specjax.drafters import registry
+from specjax.models import cpu_kernels, decoder_only, kv_cache, t5
+
+BF16 = jnp.bfloat16
+DTYPES = [jnp.float32, BF16]
+
+
+def _name(dtype) -> str:
+  return jnp.dtype(dtype).name
+
+
+# ---- products ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("shape,rows", [((64, 128), (1,)), ((100, 37), (2, 3)), ((576, 1536), (5,))])
+def test_products_equal_xlas_to_float32_rounding(shape, rows, dtype):
+  """x[..., k] x kernel[k, n] on oneDNN against XLA's product summed in float32, odd shapes included
+  (oneDNN pads them in its blocked layout), and the packed kernel unpacks to itself."""
+  rng = np.random.RandomState(0)
+  kernel = jnp.asarray(rng.standard_normal(shape), dtype)
+  x = jnp.asarray(rng.standard_normal((*rows, shape[0])), dtype)
+  packed = cpu_kernels.pack(kernel, dtype)
+  ours = jax.jit(cpu_kernels.matmul)(x, packed)
+  xla = jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
+  assert ours.shape == xla.shape and ours.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), rtol=1e-5,
+                             atol=1e-5 * float(np.abs(np.asarray(xla)).max()))
+  np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack(packed)), np.asarray(kernel))
+  # A row count whose product wants another weight layout than the packed one reorders the packed
+  # weight on each call: the same product.
+  lib = cpu_kernels.require()
+  lib.specjax_cpu_matmul_always_reorder(1)
+  try:
+    reordered = jax.jit(cpu_kernels.matmul)(x, packed)
+  finally:
+    lib.specjax_cpu_matmul_always_reorder(0)
+  np.testing.assert_array_equal(np.asarray(reordered), np.asarray(ours))
+  with pytest.raises(ValueError, match=r"x\[\.\.\., 3\] against a packed"):
+    cpu_kernels.matmul(jnp.ones((1, 3), dtype), packed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("shape", [(576, 960), (576, 3072), (1536, 576), (576, 49152), (32, 128)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_every_row_of_a_product_is_computed_alike_whatever_the_row_count(shape, dtype):
+  """SmolLM2's product shapes (fused q / k / v, fused gate / up, down, the tied head) and a tiny one:
+  rows computed 1, 2, ... 20, 33 or 64 at a time, from any offset, equal the same rows of one
+  256-row product bit for bit. On AMX cores oneDNN's own kernel for 1-2 rows of the head is another
+  than for 3 or more (its rows then differed in the last bits); those row counts run as padded
+  16-row blocks, so every row goes through one kernel."""
+  rng = np.random.RandomState(1)
+  packed = cpu_kernels.pack(jnp.asarray(rng.standard_normal(shape) * 0.05, dtype), dtype)
+  x = jnp.asarray(rng.standard_normal((256, shape[0])), dtype)
+  product = jax.jit(cpu_kernels.matmul)
+  whole = np.asarray(product(x, packed))
+  for rows in (*range(1, 21), 33, 64):
+    for start in (0, 7, 150):
+      np.testing.assert_array_equal(np.asarray(product(x[start:start + rows], packed)),
+                                    whole[start:start + rows], err_msg=f"{rows} rows from {start}")
+  assert isinstance(cpu_kernels.blocked(1, *shape, dtype=dtype), bool)
+
+
+def test_products_run_alone_when_xla_runs_them_concurrently():
+  """16 independent products in one program (XLA may run them at once): every one equals XLA's, in
+  each of 100 runs. Before the custom call ran one product at a time, about 1 in 1,600 came back
+  wrong (oneDNN's shared scratchpad); with the lock the results are deterministic, so this test
+  cannot fail by chance."""
+  rng = np.random.RandomState(1)
+  kernels = [jnp.asarray(rng.standard_normal((64, 96)), BF16) for _ in range(16)]
+  packed = [cpu_kernels.pack(kernel) for kernel in kernels]
+  x = jnp.asarray(rng.standard_normal((3, 64)), BF16)
+  products = jax.jit(lambda x, ks: [cpu_kernels.matmul(x * (i + 1), k) for i, k in enumerate(ks)])
+  expected = [np.asarray(jnp.matmul(x * (i + 1), k, preferred_element_type=jnp.float32))
+              for i, k in enumerate(kernels)]
+  for _ in range(100):
+    for ours, theirs in zip(products(x, packed), expected):
+      np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-5, atol=1e-3)
+
+
+# ---- attention and the cache write ------------------------------------------------------------------
+
+
+def _reference_attention(q, keys, values, visible, bias=None, scale=1.0):
+  """float64 numpy: q[B, T, H, D], keys / values[B, S, KV, D], visible[B, T or 1, S]."""
+  group = q.shape[2] // keys.shape[2]
+  k = np.repeat(keys.astype(np.float64), group, axis=2)
+  v = np.repeat(values.astype(np.float64), group, axis=2)
+  scores = np.einsum("bthd,bshd->bhts", q.astype(np.float64), k) * scale
+  if bias is not None:
+    scores = scores + bias
+  scores = np.where(visible[:, None], scores, -np.inf)
+  weights = np.exp(scores - scores.max(-1, keepdims=True))
+  return np.einsum("bhts,bshd->bthd", weights / weights.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 16), (6, 6, 8), (2, 1, 12)])
+def test_attention_equals_a_float64_reference(heads, kv_heads, dim):
+  """Grouped-query attention with a causal mask, then with a bias and a mask shared by a row's
+  queries (T5's relative positions, a source's padding), then a query that sees no slot (zeros)."""
+  rng = np.random.RandomState(2)
+  batch, steps, slots = 2, 5, 40
+  q = rng.standard_normal((batch, steps, heads, dim)).astype(np.float32)
+  keys = rng.standard_normal((batch, slots, kv_heads, dim)).astype(np.float32)
+  values = rng.standard_normal((batch, slots, kv_heads, dim)).astype(np.float32)
+  positions = np.asarray([[20], [31]]) + np.arange(steps)
+  causal = np.arange(slots)[None, None] <= positions[:, :, None]
+  ours = jax.jit(functools.partial(cpu_kernels.attention, scale=dim ** -0.5))(q, keys, values, causal)
+  np.testing.assert_allclose(np.asarray(ours), _reference_attention(q, keys, values, causal,
+                                                                    scale=dim ** -0.5),
+                             rtol=2e-5, atol=2e-5)
+  bias = rng.standard_normal((1, heads, steps, slots)).astype(np.float32)
+  shared = np.arange(slots)[None, None] < np.asarray([17, 40])[:, None, None]  # [B, 1, S]
+  ours = jax.jit(cpu_kernels.attention)(q, keys, values, shared, bias)
+  np.testing.assert_allclose(np.asarray(ours), _reference_attention(q, keys, values, shared, bias),
+                             rtol=2e-5, atol=2e-5)
+  nothing = np.zeros((batch, 1, slots), bool)
+  assert not np.asarray(jax.jit(cpu_kernels.attention)(q, keys, values, nothing)).any()
+
+
+def test_a_querys_attention_does_not_depend_on_what_else_the_call_holds():
+  """One query's output, bit for bit, alone and among 17 queries, over a buffer of 64 slots and of
+  128, and with the keys and values it sees moved to other slots (a token tree's nodes sit in slots
+  after the prefix in node order, their ancestors not next to each other) while the slots between
+  hold other keys and NaN garbage it does not see."""
+  rng = np.random.RandomState(3)
+  heads, kv_heads, dim, slots, prefix = 9, 3, 64, 64, 30
+  q = rng.standard_normal((1, 17, heads, dim)).astype(np.float32)
+  keys = rng.standard_normal((1, slots, kv_heads, dim)).astype(np.float32)
+  values = rng.standard_normal((1, slots, kv_heads, dim)).astype(np.float32)
+  positions = prefix + np.arange(17)
+  causal = np.arange(slots)[None, None] <= positions[None, :, None]
+  attend = jax.jit(functools.partial(cpu_kernels.attention, scale=0.125))
+  together = np.asarray(attend(q, keys, values, causal))
+  for t in (0, 3, 16):
+    alone = np.asarray(attend(q[:, t:t + 1], keys, values, causal[:, t:t + 1]))
+    np.testing.assert_array_equal(alone[0, 0], together[0, t])
+    pad = lambda a, fill, axis=1: np.concatenate([a, np.full_like(a, fill)], axis=axis)
+    longer = np.asarray(attend(q[:, t:t + 1], pad(keys, 1.0), pad(values, 1.0),
+                               pad(causal[:, t:t + 1], False, axis=2)))
+    np.testing.assert_array_equal(longer[0, 0], together[0, t])
+  # Query 3 (position prefix + 3) in a tree: its ancestors at depths 1..3 sit in slots prefix + 2,
+  # prefix + 5 and prefix + 9, the root at prefix; the slots between hold garbage it does not see.
+  moved_keys = np.full((1, 128, kv_heads, dim), np.nan, np.float32)
+  moved_values = np.full((1, 128, kv_heads, dim), np.nan, np.float32)
+  moved_keys[:, :prefix + 1], moved_values[:, :prefix + 1] = keys[:, :prefix + 1], values[:, :prefix + 1]
+  tree_slots = [prefix, prefix + 2, prefix + 5, prefix + 9]
+  for depth, slot in enumerate(tree_slots):
+    moved_keys[:, slot], moved_values[:, slot] = keys[:, prefix + depth], values[:, prefix + depth]
+  seen = np.zeros((1, 1, 128), bool)
+  seen[:, :, :prefix] = True
+  seen[:, :, tree_slots] = True
+  in_tree = np.asarray(attend(q[:, 3:4], moved_keys, moved_values, seen))
+  np.testing.assert_array_equal(in_tree[0, 0], together[0, 3])
+
+
+def test_the_cache_write_puts_each_token_in_its_slot_and_drops_slots_outside_the_buffer():
+  rng = np.random.RandomState(4)
+  keys, values = (rng.standard_normal((2, 10, 3, 4)).astype(np.float32) for _ in range(2))
+  new_keys, new_values = (rng.standard_normal((2, 3, 3, 4)).astype(np.float32) for _ in range(2))
+  slots = np.asarray([[4, 5, 6], [0, 9, 10]], np.int32)  # 10 is past the end
+  ours = jax.jit(cpu_kernels.cache_write)(keys, values, new_keys, new_values, slots)
+  expected_keys, expected_values = keys.copy(), values.copy()
+  for b, t in np.ndindex(slots.shape):
+    if slots[b, t] < 10:
+      expected_keys[b, slots[b, t]], expected_values[b, slots[b, t]] = new_keys[b, t], new_values[b, t]
+  np.testing.assert_array_equal(np.asarray(ours[0]), expected_keys)
+  np.testing.assert_array_equal(np.asarray(ours[1]), expected_values)
+  # XLA's write agrees where every slot is inside (row 0).
+  xla = kv_cache.write(jnp.asarray(keys[:1]), jnp.asarray(new_keys[:1]), jnp.asarray(slots[:1]))
+  np.testing.assert_array_equal(np.asarray(ours[0])[:1], np.asarray(xla))
+
+
+# ---- whole models -----------------------------------------------------------------------------------
+
+
+def _family(family: str, dtype):
+  """(model, packed params, prompt, lengths, source) of a tiny random target in `dtype`."""
+  if family == "decoder-only":
+    config = decoder_only.SIZES["tiny"]
+    params = random_decoder_params(config, seed=5)
+    prompt = jnp.asarray([[5, 9, 11, 20, 3, 0, 0, 0], [7, 1, 4, 0, 0, 0, 0, 0]], jnp.int32)
+    lengths, source = jnp.asarray([5, 3], jnp.int32), None
+  else:
+    config = t5.SIZES["tiny" if family == "T5" else "tiny-1.0"]
+    params = random_t5_params(config, seed=6)
+    prompt, lengths = t5.decoder_prompt(config, 2)
+    source = contracts.Source(jnp.asarray([[5, 9, 11, 20, 3, 0], [8, 2, 0, 0, 0, 0]], jnp.int32),
+                              jnp.asarray([5, 2], jnp.int32))
+  params = cpu_kernels.pack_params_for(config, models.cast(params, dtype))
+  return models.model_for(config, None, cpu_kernels.CACHE_DTYPE), params, prompt, lengths, source
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("family", ["decoder-only", "T5", "T5 1.0"])
+def test_verification_scores_every_token_bit_for_bit_as_its_single_step(family, dtype):
+  """After a prefill into a 24-slot cache, 5 tokens scored in one call (a chain), and the same 5
+  scored as a token tree whose path 0 -> 2 -> 3 leaves slot 1 to a sibling, give logits equal bit
+  for bit to those of one-token steps over a 40-slot cache: what greedy speculative output equalling
+  greedy autoregressive output rests on. (XLA's kernels agree only to float32 rounding:
+  tests/test_bfloat16.py.)"""
+  target, params, prompt, lengths, source = _family(family, dtype)
+  session = contracts.open_session(target, params, source)
+
+  def prefill(length):
+    return jax.jit(functools.partial(autoregressive.prefill, session, max_length=length))(
+        prompt, lengths)
+
+  step = jax.jit(lambda tokens, positions, cache: contracts.open_session(
+      target, params, source).step(tokens, positions, cache))
+  tokens = jnp.asarray([[5, 17, 9, 42, 3], [8, 8, 1, 30, 2]], jnp.int32)
+  positions = jnp.arange(5, dtype=jnp.int32)[None] + lengths[:, None]
+  _, cache = prefill(40)
+  one_by_one = []
+  for t in range(5):
+    logits, cache = step(tokens[:, t:t + 1], positions[:, t:t + 1], cache)
+    one_by_one.append(np.asarray(logits))
+  one_by_one = np.concatenate(one_by_one, axis=1)
+  together, _ = step(tokens, positions, prefill(24)[1])
+  np.testing.assert_array_equal(np.asarray(together), one_by_one)
+  # The tree: root 0, nodes 1 and 2 its children, 3 the child of 2, 4 the child of 3. Node i is
+  # written to slot length + i, at position length + its depth; path 0, 2, 3, 4 carries tokens 0, 1,
+  # 2, 3 of the chain (node 1 holds another token).
+  parents = np.asarray([-1, 0, 0, 2, 3])
+  tree_tokens = jnp.stack([tokens[:, 0], tokens[:, 4], tokens[:, 1], tokens[:, 2], tokens[:, 3]], 1)
+  tree_positions, slots, visible = trees.attention_inputs(parents, lengths, 24)
+  logits, _, _ = jax.jit(lambda t, p, c, s, v: target.forward(
+      params, target.encode(params, source), t, p, c, s, v))(
+          tree_tokens, tree_positions, prefill(24)[1], slots, visible)
+  np.testing.assert_array_equal(np.asarray(logits)[:, [0, 2, 3, 4]], one_by_one[:, :4])
+
+
+def test_the_setting_is_checked_and_reaches_the_target_and_its_drafts(smollm2_two_blocks,
+                                                                      monkeypatch):
+  with pytest.raises(ValueError, match=r"ModelSpec.kernels = 'onednn': use 'cpu'"):
+    specs.ModelSpec(str(smollm2_two_blocks), kernels="onednn")
+  for dtype in ("float32", "bfloat16"):
+    spec = specs.ModelSpec(str(smollm2_two_blocks), dtype=dtype, kernels="cpu")
+    loaded, _ = loading.load_target(spec)
+    assert cpu_kernels.is_packed(loaded.params) and cpu_kernels.HEAD in loaded.params  # tied head
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(loaded.model.init_cache(1, 8))
+            if jnp.issubdtype(leaf.dtype, jnp.floating)} == {jnp.dtype(cpu_kernels.CACHE_DTYPE)}
+    assert {value.dtype for value in jax.tree_util.tree_leaves(
+        loaded.params, is_leaf=lambda x: isinstance(x, cpu_kernels.PackedKernel))
+            if isinstance(value, cpu_kernels.PackedKernel)} == {dtype}
+    # each block runs 4 products, not 7
+    assert set(loaded.params["layers_0"]["attn"]) == {"wq+wk+wv", "wo"}
+    assert set(loaded.params["layers_0"]["mlp"]) == {"w_gate+w_up", "w_down"}
+    target = registry.Target(loaded.config, loaded.params)
+    for name in ("layers1", f"model:{smollm2_two_blocks}"):
+      _, draft_params = registry.build(name, target, Tree.chain(2))
+      assert cpu_kernels.is_packed(draft_params), name
+    # Heads trained for these weights recognise them packed.
+    from specjax.drafters import heads  # pylint: disable=import-outside-toplevel
+    plain = loading.load_target(dataclasses.replace(spec, kernels=None))[0].params
+    assert heads.target_fingerprint(loaded.config, loaded.params) == heads.target_fingerprint(
+        loaded.config, plain)
+    # The packed params unpack to the params they were packed from, bit for bit.
+    jax.tree_util.tree_map(np.testing.assert_array_equal, cpu_kernels.plain(loaded.params), plain)
+  # Without the library the setting names the script that builds it, before any work.
+  monkeypatch.setattr(cpu_kernels, "LIBRARY", "/nonexistent/libspecjax_cpu.so")
+  cpu_kernels._library.cache_clear()  # pylint: disable=protected-access
+  try:
+    with pytest.raises(RuntimeError, match=r"kernels = 'cpu' needs /nonexistent/libspecjax_cpu.so, "
+                                           r"which is not built: bash scripts/build_cpu_kernels.sh"):
+      loading.load_target(spec)
+  finally:
+    cpu_kernels._library.cache_clear()  # pylint: disable=protected-access
