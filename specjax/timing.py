@@ -263,7 +263,13 @@ def iteration_timer(target: contracts.Model, params, drafter, draft_params, conf
     (params, draft_params, context, temperature, uniforms, proposal, verified,
      draft_state), (s, step) = inputs, state
     loop = _loop(target, drafter, config, params, draft_params, context, temperature)
-    s = loop.settle(s, *varying(step, (proposal, verified, uniforms)), draft_state)
+    # The verification's cache is the one threaded through (as in the loop, where settle updates
+    # the cache verify just wrote, in place): a fixed input cache, or one put through `varying`,
+    # would be copied whole in every step and counted as the accept step's.
+    proposal, logits, features, uniforms = varying(step, (proposal, verified.logits,
+                                                          verified.features, uniforms))
+    verified = core.Verified(logits, features, s.target_cache)
+    s = loop.settle(s, proposal, verified, uniforms, draft_state)
     return s.num_committed, (s, step + 1)
 
   timers = {part: chained_timer(fn) for part, fn in

@@ -179,13 +179,14 @@ def accept(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array, targ
 # The tree walk.
 
 
-def _walk(parents, target_probs: jax.Array, uniforms: jax.Array, depth: int,
-          try_children) -> Verdict:
-  """The walk's skeleton: from the root, at each depth `try_children(d, probs[B, V], is_child[B, T],
+def _walk(parents, size: int, at_node, draw, uniforms: jax.Array, depth: int, try_children) -> Verdict:
+  """The walk's skeleton: from the root, at each depth `try_children(d, dist, is_child[B, T],
   uniform[B]) -> (found, child, drawn, beta)` decides whether a child of the current node is
-  accepted (then the walk moves to it) or `drawn` is emitted (then it stops); past the deepest level
-  the bonus token is drawn from the node's distribution with uniforms[:, depth]."""
-  batch, size, _ = target_probs.shape
+  accepted (then the walk moves to it) or `drawn` is emitted (then it stops), where dist =
+  at_node(node[B]) is the target's distribution after the current node (computed for the nodes the
+  walk reaches only, not for every node of the tree); past the deepest level the bonus token is
+  draw(uniforms[:, depth], dist) at the node reached."""
+  batch = uniforms.shape[0]
   rows = jnp.arange(batch)
   children = jnp.broadcast_to(jnp.asarray(trees.children(parents)), (batch, size, size))
   node = jnp.zeros((batch,), jnp.int32)
@@ -193,8 +194,7 @@ def _walk(parents, target_probs: jax.Array, uniforms: jax.Array, depth: int,
   num_accepted = jnp.zeros((batch,), jnp.int32)
   path, betas = [node], []
   for d in range(depth):
-    found, child, drawn, beta = try_children(d, target_probs[rows, node], children[rows, node],
-                                             uniforms[:, d])
+    found, child, drawn, beta = try_children(d, at_node(node), children[rows, node], uniforms[:, d])
     betas.append(jnp.where(going, beta, 0.0))
     found = going & found
     next_token = drawn if d == 0 else jnp.where(going & ~found, drawn, next_token)
@@ -202,44 +202,88 @@ def _walk(parents, target_probs: jax.Array, uniforms: jax.Array, depth: int,
     num_accepted = num_accepted + found
     going = found
     path.append(node)
-  bonus = sampling.sample_with_uniform(uniforms[:, depth], target_probs[rows, node])
+  bonus = draw(uniforms[:, depth], at_node(node))
   next_token = bonus if depth == 0 else jnp.where(going, bonus, next_token)
   return Verdict(jnp.stack(path, axis=1), num_accepted, next_token.astype(jnp.int32),
                  jnp.stack(betas, axis=1) if betas else jnp.zeros((batch, 0)))
 
 
-def walk(parents, tokens: jax.Array, target_probs: jax.Array, uniforms: jax.Array,
-         depth: int) -> Verdict:
+def _node_probs(target_probs, batch: int):
+  """target_probs[B, T, V], or a function node[B] -> probs[B, V] -> that function."""
+  if callable(target_probs):
+    return target_probs
+  rows = jnp.arange(batch)
+  return lambda node: target_probs[rows, node]
+
+
+def walk(parents, tokens: jax.Array, target_probs, uniforms: jax.Array, depth: int) -> Verdict:
   """The walk over point-mass candidates (module docstring) with its random numbers given.
 
   parents: [T] static or [B, T]; tokens[B, T] the nodes' tokens (node 0 the root); target_probs[B, T,
-  V] the target's distribution after each node (transformed; one-hot at temperature 0);
-  uniforms[B, depth + 1], one per depth. betas: the target's mass on the node's distinct child tokens.
+  V] the target's distribution after each node (transformed; one-hot at temperature 0), or a
+  function node[B] -> probs[B, V] giving it for the nodes reached; uniforms[B, depth + 1], one per
+  depth. betas: the target's mass on the node's distinct child tokens.
   """
-  batch, _, vocab = target_probs.shape
-  rows = jnp.arange(batch)
+  batch, size = tokens.shape
+  earlier = np.tril(np.ones((size, size), bool), -1)  # [i, j]: node j comes before node i
 
   def try_children(d, probs, is_child, uniform):
     drawn = sampling.sample_with_uniform(uniform, probs)
-    child_tokens = jnp.zeros((batch, vocab), bool).at[rows[:, None], tokens].max(is_child)
     match = is_child & (tokens == drawn[:, None])
-    return (jnp.any(match, axis=1), jnp.argmax(match, axis=1), drawn,
-            jnp.sum(jnp.where(child_tokens, probs, 0.0), axis=-1))
+    # beta: the target's mass on the distinct tokens of the children (a token two children carry
+    # counts once: only its first child's), gathered per node rather than summed over the vocabulary.
+    repeated = jnp.any(is_child[:, None, :] & earlier[None] &
+                       (tokens[:, :, None] == tokens[:, None, :]), axis=-1)
+    counted = is_child & ~repeated
+    beta = jnp.sum(jnp.where(counted, jnp.take_along_axis(probs, tokens, axis=1), 0.0), axis=1)
+    return jnp.any(match, axis=1), jnp.argmax(match, axis=1), drawn, beta
 
-  return _walk(parents, target_probs, uniforms, depth, try_children)
+  return _walk(parents, size, _node_probs(target_probs, batch), sampling.sample_with_uniform,
+               uniforms, depth, try_children)
 
 
-def multi_round_walk(parents, tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array,
+def greedy_walk(parents, tokens: jax.Array, target_ids: jax.Array, depth: int) -> Verdict:
+  """`walk` at temperature 0, on the target's argmax ids[B, T] instead of one-hot distributions: a
+  child is accepted iff its token is the argmax after its parent, and beta is 1 or 0 (what `walk`
+  computes from one-hot probabilities, without a vocabulary-sized array)."""
+  batch, size = tokens.shape
+  rows = jnp.arange(batch)
+
+  def try_children(d, drawn, is_child, uniform):
+    match = is_child & (tokens == drawn[:, None])
+    found = jnp.any(match, axis=1)
+    return found, jnp.argmax(match, axis=1), drawn, found.astype(jnp.float32)
+
+  return _walk(parents, size, lambda node: target_ids[rows, node], lambda _, ids: ids,
+               jnp.zeros((batch, depth + 1)), depth, try_children)
+
+
+def greedy_chain(tokens: jax.Array, target_ids: jax.Array) -> Verdict:
+  """Chain rejection at temperature 0 and lenience 1 on the target's argmax ids[B, g + 1]
+  (tokens[B, g + 1]: the root, then the drafts): drafts are accepted while each equals the argmax
+  before it, the next token is the argmax after the last accepted one, betas are 1 or 0 (what
+  `accept_with_uniforms` and `acceptance_probs` give from `greedy_target_probs`, without a
+  vocabulary-sized array)."""
+  batch, size = tokens.shape
+  ok = tokens[:, 1:] == target_ids[:, :-1]
+  num_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+  next_token = jnp.take_along_axis(target_ids, num_accepted[:, None], axis=1)[:, 0]
+  path = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (batch, size))
+  return Verdict(path, num_accepted, next_token.astype(jnp.int32), ok.astype(jnp.float32))
+
+
+def multi_round_walk(parents, tokens: jax.Array, draft_probs: jax.Array, target_probs,
                      accept_uniforms: jax.Array, resample_uniforms: jax.Array, depth: int,
                      width: int) -> Verdict:
   """The walk over sampled candidates (module docstring), its random numbers given.
 
   parents: [T] static or [B, T]; tokens[B, T]; draft_probs[B, T - 1, V] (entry i - 1: the
-  distribution node i's token was drawn from); target_probs[B, T, V]; accept_uniforms[B, T] (one per
-  node), resample_uniforms[B, depth + 1]; width: the most children any node has (static). betas: the
+  distribution node i's token was drawn from); target_probs[B, T, V], or a function node[B] ->
+  probs[B, V] giving it for the nodes reached; accept_uniforms[B, T] (one per node),
+  resample_uniforms[B, depth + 1]; width: the most children any node has (static). betas: the
   chance that some child of the node is accepted, 1 - prod(1 - acceptance chance of each child).
   """
-  batch, size, _ = target_probs.shape
+  batch, size = tokens.shape
   rows = jnp.arange(batch)
 
   def try_children(d, residual, is_child, uniform):
@@ -270,7 +314,8 @@ def multi_round_walk(parents, tokens: jax.Array, draft_probs: jax.Array, target_
       found = found | ok
     return found, chosen, sampling.sample_with_uniform(uniform, residual), 1.0 - miss_chance
 
-  return _walk(parents, target_probs, resample_uniforms, depth, try_children)
+  return _walk(parents, size, _node_probs(target_probs, batch), sampling.sample_with_uniform,
+               resample_uniforms, depth, try_children)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -315,14 +360,22 @@ class ChainRejection:
                settings: Settings, parents=None) -> Verdict:
     del parents  # a chain
     gamma = tree.depth
-    target_probs = settings.target_transform(logits)
-    drafts = tokens[:, 1:]
-    num_accepted, next_token = accept_with_uniforms(
-        uniforms[:, :gamma], uniforms[:, gamma], drafts, draft_probs, target_probs,
-        settings.lenience, settings.greedy)
-    betas = acceptance_probs(drafts, draft_probs, target_probs, settings.lenience, settings.greedy)
-    path = jnp.broadcast_to(jnp.arange(gamma + 1, dtype=jnp.int32), (tokens.shape[0], gamma + 1))
-    return Verdict(path, num_accepted, next_token, betas)
+
+    def general(_):
+      target_probs = settings.target_transform(logits)
+      drafts = tokens[:, 1:]
+      num_accepted, next_token = accept_with_uniforms(
+          uniforms[:, :gamma], uniforms[:, gamma], drafts, draft_probs, target_probs,
+          settings.lenience, settings.greedy)
+      betas = acceptance_probs(drafts, draft_probs, target_probs, settings.lenience,
+                               settings.greedy)
+      path = jnp.broadcast_to(jnp.arange(gamma + 1, dtype=jnp.int32), (tokens.shape[0], gamma + 1))
+      return Verdict(path, num_accepted, next_token, betas)
+
+    # Greedy and lossless (the common case), decided at run time: the argmax ids decide it all, and
+    # the vocabulary-sized transforms of the general rule are skipped.
+    return jax.lax.cond(settings.greedy & (settings.lenience == 1.0),
+                        lambda _: greedy_chain(tokens, jnp.argmax(logits, axis=-1)), general, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,12 +390,22 @@ class TreeWalk:
   def __call__(self, tree: trees.Tree, tokens, draft_probs, logits, uniforms,
                settings: Settings, parents=None) -> Verdict:
     parents = tree.parents if parents is None else parents
-    target_probs = settings.draft_transform(logits)
+    rows = jnp.arange(tokens.shape[0])
+
+    def target_probs():
+      if tree.size > tree.depth + 1:  # a tree: transform the nodes the walk reaches, not all T
+        return lambda node: settings.draft_transform(logits[rows, node])
+      return settings.draft_transform(logits)  # a chain passes them all: one transform costs less
+
     if not self.sampled:
-      return walk(parents, tokens, target_probs, uniforms, tree.depth)
+      # Greedy, decided at run time: the walk on argmax ids, no vocabulary-sized arrays.
+      return jax.lax.cond(
+          settings.greedy,
+          lambda _: greedy_walk(parents, tokens, jnp.argmax(logits, axis=-1), tree.depth),
+          lambda _: walk(parents, tokens, target_probs(), uniforms, tree.depth), None)
     static = isinstance(parents, np.ndarray)
     width = int(trees.children(parents).sum(-1).max()) if static else tree.size - 1
-    return multi_round_walk(parents, tokens, draft_probs, target_probs,
+    return multi_round_walk(parents, tokens, draft_probs, target_probs(),
                             uniforms[:, tree.depth + 1:], uniforms[:, :tree.depth + 1], tree.depth,
                             width)
 
