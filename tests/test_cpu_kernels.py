@@ -216,6 +216,36 @@ def _family(family: str, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 @pytest.mark.parametrize("family", ["decoder-only", "T5", "T5 1.0"])
+def test_a_prompt_is_scored_as_xlas_kernels_score_it(family, dtype):
+  """A ragged prefill's logits on the CPU kernels against those on XLA's: in float32 equal to
+  float32 rounding (the sums run in other orders); in bfloat16 at least as close to the float32
+  logits of the same weights as XLA's bfloat16 ones are (the attention here keeps its weights in
+  float32 where XLA's rounds them to bfloat16, so the two bfloat16 paths round differently)."""
+  target, params, prompt, lengths, source = _family(family, dtype)
+  config = target_config(params, family)
+
+  def scored(model, weights):
+    session = contracts.open_session(model, weights, source)
+    return np.asarray(jax.jit(functools.partial(autoregressive.prefill, session, max_length=16))(
+        prompt, lengths)[0])
+  ours = scored(target, params)
+  xla = scored(models.model_for(config, None, dtype), models.cast(cpu_kernels.plain(params), dtype))
+  if dtype == jnp.float32:
+    np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-5 * np.abs(xla).max())
+    return
+  exact = scored(models.model_for(config), models.cast(cpu_kernels.plain(params), jnp.float32))
+  ours_error, xla_error = np.abs(ours - exact).max(), np.abs(xla - exact).max()
+  assert 0 < ours_error <= 1.25 * xla_error < 0.1 * np.abs(exact).max(), (ours_error, xla_error)
+
+
+def target_config(params, family: str):
+  del params
+  return decoder_only.SIZES["tiny"] if family == "decoder-only" else \
+      t5.SIZES["tiny" if family == "T5" else "tiny-1.0"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("family", ["decoder-only", "T5", "T5 1.0"])
 def test_verification_scores_every_token_bit_for_bit_as_its_single_step(family, dtype):
   """After a prefill into a 24-slot cache, 5 tokens scored in one call (a chain), and the same 5
   scored as a token tree whose path 0 -> 2 -> 3 leaves slot 1 to a sibling, give logits equal bit
