@@ -18,7 +18,7 @@
 //   SpecjaxCpuCacheWrite(keys, values, new_keys[B, T, KV, D], new_values, slots[B, T] int32)
 //       -> (keys, values)                                           (float32; in place: aliased)
 //
-// Compiled with -fno-tree-vectorize and -ffp-contract=off (scripts/build_cpu_matmul.sh): the vector
+// Compiled with -fno-tree-vectorize and -ffp-contract=off (scripts/build_cpu_kernels.sh): the vector
 // code below is written out with GCC vector types, so the compiler cannot vectorize a loop one way for
 // some lengths or alignments and another way for others, nor fuse a product and a sum into one
 // rounding in one place and not another.

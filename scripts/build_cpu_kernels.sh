@@ -18,9 +18,11 @@ trap 'rm -rf "$build"' EXIT
 # it runs).
 g++ -O2 -march=native -fno-tree-vectorize -ffp-contract=off -fopenmp -std=c++17 -fPIC -w \
   -c csrc/attention.cc -o "$build/attention.o" -I"$FFI_INCLUDE"
+g++ -O2 -march=native -fno-tree-vectorize -ffp-contract=off -std=c++17 -fPIC -w \
+  -c csrc/rms_norm.cc -o "$build/rms_norm.o" -I"$FFI_INCLUDE"
 g++ -O2 -std=c++17 -fPIC -w -c csrc/onednn_matmul.cc -o "$build/onednn_matmul.o" \
   -I"$VENV/include" -I"$FFI_INCLUDE"
 g++ -shared -fopenmp -o "$VENV/lib/libspecjax_cpu.so" "$build/onednn_matmul.o" "$build/attention.o" \
-  -L"$VENV/lib" -l:libdnnl.so.3 -Wl,-rpath,'$ORIGIN'
+  "$build/rms_norm.o" -L"$VENV/lib" -l:libdnnl.so.3 -Wl,-rpath,'$ORIGIN'
 rm -f "$VENV/lib/libspecjax_cpu_matmul.so"  # the library's name before attention joined it
 echo "built $VENV/lib/libspecjax_cpu.so"

@@ -84,8 +84,16 @@ def head_logits(heads: dict, head_rows: jax.Array, hidden: jax.Array,
                 count: int | None = None) -> jax.Array:
   """hidden[..., E] -> logits[..., count, S] float32 over the S rows of the frozen output projection
   `head_rows[S, E]` (column j scores head_tokens[j])."""
-  return jnp.einsum("...ke,se->...ks", head_states(heads, hidden, count).astype(head_rows.dtype),
-                    head_rows, preferred_element_type=jnp.float32)
+  return scored(head_states(heads, hidden, count), head_rows)
+
+
+def scored(states: jax.Array, rows) -> jax.Array:
+  """states[..., E] against output rows[S, E] -> logits[..., S] float32. Rows drafter_params packed
+  for the CPU kernels run there: XLA:CPU's one-row bfloat16 product took longer than a target step."""
+  if isinstance(rows, cpu_kernels.PackedKernel):
+    return cpu_kernels.matmul(states, rows)
+  return jnp.einsum("...e,se->...s", states.astype(rows.dtype), rows,
+                    preferred_element_type=jnp.float32)
 
 
 def output_rows(target_config, target_params) -> jax.Array:
@@ -95,8 +103,10 @@ def output_rows(target_config, target_params) -> jax.Array:
     raise ValueError("heads read a full-vocabulary target's output projection; this model has a "
                      "subset head (a draft), which is not a target")
   if target_config.tie_embeddings:
-    return jnp.asarray(target_params["embedding"])
-  return jnp.asarray(target_params["lm_head"]).T
+    return cpu_kernels.embedding_table(jnp.asarray(target_params["embedding"]))
+  head = target_params["lm_head"]
+  return (cpu_kernels.unpack(head) if isinstance(head, cpu_kernels.PackedKernel)
+          else jnp.asarray(head)).T
 
 
 def head_rows(target_config, target_params, head_tokens=None) -> tuple[jax.Array, jax.Array]:
@@ -109,10 +119,19 @@ def head_rows(target_config, target_params, head_tokens=None) -> tuple[jax.Array
   return rows[tokens], tokens
 
 
+def drafting_rows(target_config, target_params, head_tokens=None) -> tuple:
+  """head_rows for drafting: packed for the CPU kernels ([E, S], `scored` runs them there) where the
+  target's own kernels are packed."""
+  rows, tokens = head_rows(target_config, target_params, head_tokens)
+  if cpu_kernels.is_packed(target_params):
+    rows = cpu_kernels.pack(rows.T, rows.dtype)
+  return rows, tokens
+
+
 def drafter_params(heads: dict, head_tokens, target_config, target_params) -> dict:
   """The params HeadsDrafter.candidates takes: the heads, the output rows they score and the token
   id of each row."""
-  rows, tokens = head_rows(target_config, target_params, head_tokens)
+  rows, tokens = drafting_rows(target_config, target_params, head_tokens)
   return {"heads": jax.tree_util.tree_map(jnp.asarray, heads), "head_rows": rows,
           "head_tokens": tokens}
 

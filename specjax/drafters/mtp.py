@@ -35,6 +35,7 @@ import numpy as np
 from specjax.decoding import tree as trees
 from specjax.decoding.sampling import top_ids
 from specjax.drafters import expansion, heads
+from specjax.models import layers
 
 KIND = "mtp"
 WEIGHTS_FILE = "mtp.npz"
@@ -52,9 +53,9 @@ def init_mtp(embed_dim: int) -> dict:
 
 
 def input_rows(target_config, target_params) -> jax.Array:
-  """[V, E]: the target's input embedding (what the head embeds the token with)."""
+  """[V, E]: the target's input embedding (what the head embeds the token with, by layers.embed)."""
   del target_config
-  return jnp.asarray(target_params["embedding"])
+  return jnp.asarray(target_params["embedding"])  # bit patterns on the CPU kernels: layers.embed
 
 
 def next_state(params: dict, hidden: jax.Array, embedded: jax.Array) -> jax.Array:
@@ -73,15 +74,14 @@ def unroll(params: dict, embed_rows: jax.Array, head_rows: jax.Array, hidden: ja
   states = []
   state = hidden
   for k in range(tokens.shape[1]):
-    state = next_state(params, state, embed_rows[tokens[:, k]])
+    state = next_state(params, state, layers.embed(embed_rows, tokens[:, k]))
     states.append(state)
   states = jnp.stack(states, axis=1)
-  return states, jnp.einsum("bke,se->bks", states.astype(head_rows.dtype), head_rows,
-                            preferred_element_type=jnp.float32)
+  return states, heads.scored(states, head_rows)
 
 
 def drafter_params(mtp: dict, head_tokens, target_config, target_params) -> dict:
-  rows, tokens = heads.head_rows(target_config, target_params, head_tokens)
+  rows, tokens = heads.drafting_rows(target_config, target_params, head_tokens)
   return {"mtp": jax.tree_util.tree_map(jnp.asarray, mtp), "head_rows": rows,
           "head_tokens": tokens, "embed_rows": input_rows(target_config, target_params)}
 
@@ -113,9 +113,8 @@ class MTPDrafter(expansion.Ranked):
     token = context.root
     hidden, ranked = context.newest_features, []
     for _ in range(depth):
-      hidden = next_state(params["mtp"], hidden, params["embed_rows"][token])
-      rows = params["head_rows"]
-      logits = jnp.matmul(hidden.astype(rows.dtype), rows.T, preferred_element_type=jnp.float32)
+      hidden = next_state(params["mtp"], hidden, layers.embed(params["embed_rows"], token))
+      logits = heads.scored(hidden, params["head_rows"])
       top = params["head_tokens"][top_ids(logits, width)].astype(jnp.int32)
       ranked.append(top)
       token = top[:, 0]

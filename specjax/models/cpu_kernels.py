@@ -39,7 +39,7 @@ import numpy as np
 
 LIBRARY = os.path.join(sys.prefix, "lib", "libspecjax_cpu.so")
 TARGETS = {"specjax_cpu_matmul": "SpecjaxCpuMatmul", "specjax_cpu_attention": "SpecjaxCpuAttention",
-           "specjax_cpu_cache_write": "SpecjaxCpuCacheWrite"}
+           "specjax_cpu_cache_write": "SpecjaxCpuCacheWrite", "specjax_cpu_rms_norm": "SpecjaxCpuRmsNorm"}
 BUILD_FIX = "bash scripts/build_cpu_kernels.sh builds it (bash scripts/setup.sh runs it)"
 SETTING = "ModelSpec.kernels = 'cpu'"
 
@@ -56,6 +56,12 @@ class PackedKernel:
   @property
   def nbytes(self) -> int:
     return self.data.nbytes
+
+
+@flax.struct.dataclass
+class NormScale:
+  """An RMSNorm's scale[E] (float32) that pack_params marked: the norm runs through rms_norm."""
+  data: jax.Array
 
 
 @functools.cache
@@ -165,6 +171,14 @@ def attention(queries: jax.Array, keys: jax.Array, values: jax.Array, visible: j
               scale=np.float32(scale))
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """x[..., E] * rsqrt(mean(x * x) + eps) * scale[E] -> float32, each row's sum in one fixed order
+  (csrc/rms_norm.cc): XLA's sums rows in another order from 8 rows on than for one."""
+  call = jax.ffi.ffi_call("specjax_cpu_rms_norm", jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                          vmap_method="sequential")
+  return call(jnp.asarray(x, jnp.float32), jnp.asarray(scale, jnp.float32), eps=np.float32(eps))
+
+
 def cache_write(keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_values: jax.Array,
                 slots: jax.Array) -> tuple[jax.Array, jax.Array]:
   """kv_cache.write for both buffers of a layer at once, in place: new_keys / new_values[B, T, KV, D]
@@ -200,8 +214,8 @@ def pack_params(params, tied_head: bool):
   """Every 2-D kernel of a model's params packed for oneDNN in its own dtype (float32 or bfloat16),
   the FUSED groups side by side as one. Embedding tables stay (the lookup gathers rows); with
   `tied_head` (a head that reads the table transposed) each gains a packed transposed copy at HEAD
-  beside it. Leaves that are not kernels (norm scales, relative position tables, token id lists)
-  stay as they are."""
+  beside it; a bfloat16 table is stored as its 16-bit patterns (table_bits). RMSNorm scales become NormScale (the norm then sums in a fixed order). Leaves that are
+  not kernels (relative position tables, token id lists) stay as they are."""
   def walk(tree):
     out = {}
     tree = dict(tree)
@@ -215,12 +229,14 @@ def pack_params(params, tied_head: bool):
       if isinstance(value, dict):
         out[name] = walk(value)
       elif name == "embedding" and getattr(value, "ndim", 0) == 2:
-        out[name] = value
+        out[name] = table_bits(value)
         if tied_head:
           out[HEAD] = pack(jnp.asarray(value).T, value.dtype)
       elif getattr(value, "ndim", 0) == 2 and jnp.issubdtype(value.dtype, jnp.floating) \
           and name not in ("rel_embedding",):
         out[name] = pack(value, value.dtype)
+      elif name == "scale" and getattr(value, "ndim", 0) == 1:
+        out[name] = NormScale(jnp.asarray(value, jnp.float32))
       else:
         out[name] = value
     return out
@@ -262,10 +278,42 @@ def plain(params):
         out.update(zip([part for part, _ in value.parts], split(unpack(value), value)))
       elif isinstance(value, PackedKernel):
         out[name] = unpack(value)
+      elif isinstance(value, NormScale):
+        out[name] = value.data
+      elif name == "embedding":
+        out[name] = embedding_table(value)
       else:
         out[name] = value
     return out
   return walk(params)
+
+
+def table_bits(table) -> jax.Array:
+  """A bfloat16 embedding table as its 16-bit patterns (uint16; layers.embed gathers those): XLA:CPU
+  gathers no bfloat16, so inside a decode loop it converted the whole table to float32 before the
+  loop (SmolLM2: 57 MB read, 113 MB written per decode call). Other tables stay as they are."""
+  if table.dtype != jnp.bfloat16:
+    return table
+  return jnp.asarray(np.asarray(table).view(np.uint16))
+
+
+def embedding_table(table) -> jax.Array:
+  """An embedding table in its own dtype, whether table_bits stored it as bit patterns or not."""
+  if table.dtype != jnp.uint16:
+    return table
+  return jnp.asarray(np.asarray(table).view(jnp.bfloat16))
+
+
+def step_bytes(params) -> int:
+  """The bytes of weights one decode step reads: every leaf, except an embedding table whose packed
+  transposed copy (HEAD) sits beside it (the head reads the copy; the lookup gathers a few rows)."""
+  total = 0
+  for name, value in params.items():
+    if isinstance(value, dict):
+      total += step_bytes(value)
+    elif not (name == "embedding" and HEAD in params):
+      total += sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(value))
+  return total
 
 
 def is_packed(params) -> bool:

@@ -117,7 +117,7 @@ class DecoderOnly(nn.Module):
                features: contracts.FeatureSpec | None = None):
     cfg = self.config
     embedding = param(self, "embedding", (cfg.vocab_size, cfg.embed_dim), (axes.VOCAB, axes.EMBED))
-    x = sharding.constrain(jnp.take(embedding, tokens, axis=0), layers.ACTIVATIONS, self.mesh)
+    x = sharding.constrain(layers.embed(embedding, tokens), layers.ACTIVATIONS, self.mesh)
     keys, values = list(cache.keys), list(cache.values)
     after = {}  # the residual stream after each block a drafter reads
     for i in range(cfg.num_layers):

@@ -34,6 +34,13 @@ def dense(x: jax.Array, kernel, float32_out: bool = False) -> jax.Array:
   return product if float32_out else product.astype(x.dtype)
 
 
+def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """table[tokens]: rows of an embedding table [V, E], or of the 16-bit patterns of a bfloat16 one
+  (uint16, as cpu_kernels.pack_params stores it) returned as bfloat16."""
+  rows = jnp.take(table, tokens, axis=0)
+  return jax.lax.bitcast_convert_type(rows, jnp.bfloat16) if table.dtype == jnp.uint16 else rows
+
+
 def tied_logits(module: nn.Module, x: jax.Array, embedding: jax.Array) -> jax.Array:
   """x[B, T, E] against a tied embedding table[V, E] -> logits[B, T, V] float32; through the packed
   transposed table where cpu_kernels.pack_params put one beside the table (in `module`'s params)."""
@@ -57,7 +64,7 @@ def param(module: nn.Module, name: str, shape, logical_axes, init=None, dtype=jn
   kernel cpu_kernels.pack_params packed is returned as it is (flax would check its shape)."""
   if module.has_variable("params", name):
     value = module.get_variable("params", name)
-    if isinstance(value, cpu_kernels.PackedKernel):
+    if isinstance(value, (cpu_kernels.PackedKernel, cpu_kernels.NormScale)):
       return value
   init = init or nn.initializers.normal(stddev=0.02)
   return module.param(name, nn.with_logical_partitioning(init, logical_axes), shape, dtype)
@@ -69,6 +76,8 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x):
     scale = param(self, "scale", (x.shape[-1],), (axes.EMBED,), nn.initializers.ones)
+    if isinstance(scale, cpu_kernels.NormScale):  # the CPU kernels: a sum in one fixed order
+      return cpu_kernels.rms_norm(x, scale.data, self.eps).astype(x.dtype)
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (normed * scale).astype(x.dtype)

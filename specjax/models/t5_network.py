@@ -148,7 +148,7 @@ class _Embedder(_Module):
                             (axes.VOCAB, axes.EMBED))
 
   def __call__(self, tokens):
-    return self.constrain(jnp.take(self.embedding, tokens, axis=0), layers.ACTIVATIONS)
+    return self.constrain(layers.embed(self.embedding, tokens), layers.ACTIVATIONS)
 
   def logits(self, y):
     """T5 1.0's tied head before its scaling: y[B, T, E] x embedding.T, float32."""

@@ -42,7 +42,7 @@ from absl import logging
 
 from specjax import checkpoints, launch, loading, outputs, specs
 from specjax.checkpoints import hf
-from specjax.models import decoder_only
+from specjax.models import cpu_kernels, decoder_only
 from specjax.training import teacher as teacher_data
 from specjax.training.teacher import Sequences, TeacherSpec, load_teacher_data, split_validation
 from specjax.training.trainer import (TrainSpec, fit, loss_logger, make_optimizer, make_train_step,
@@ -103,7 +103,7 @@ def init_draft_params(draft_config, target_config, target_params, head_tokens, s
   params = jax.device_get(decoder_only.init_params(draft_config, jax.random.PRNGKey(seed),
                                                    head_tokens))
   rng = np.random.default_rng(seed)
-  table = np.asarray(target_params["embedding"], np.float32)
+  table = np.asarray(cpu_kernels.embedding_table(target_params["embedding"]), np.float32)
   head = table if target_config.tie_embeddings else np.asarray(target_params["lm_head"]).T
   params["embedding"] = (table @ _principal_directions(table, draft_config.embed_dim, rng)
                          ).astype(np.float32)
