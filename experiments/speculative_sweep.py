@@ -31,6 +31,7 @@ from specjax.decoding import acceptance, core
 from specjax.decoding.tree import Tree
 from specjax.drafters import registry
 from specjax.drafters.model import ModelDrafter
+from specjax.models import cpu_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +105,7 @@ class StepCosts:
     # The floor of a target step: its weights' bytes over the read bandwidth measured here (a step
     # scoring up to ~8 tokens is bound by that read on CPUs: docs/results.md, the roofline).
     self.bandwidth_gbps = timing.read_bandwidth_gbps()
-    weight_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(target.params))
+    weight_bytes = cpu_kernels.step_bytes(target.params)
     self.target_floor_ms = 1000 * weight_bytes / (self.bandwidth_gbps * 1e9)
     logging.info("target step %.1f ms, its floor %.1f ms (%.0f MB at %.1f GB/s)",
                  self.step_ms["target"], self.target_floor_ms, weight_bytes / 1e6, self.bandwidth_gbps)
