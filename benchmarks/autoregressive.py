@@ -1,10 +1,13 @@
 """Greedy decoding speed of SmolLM2-135M: specjax vs Hugging Face generate, side by side.
 
     .venv/bin/python benchmarks/autoregressive.py [--batches 1,4,16] [--new_tokens 128] [--repeats 3]
+        [--variants "float32 xla,float32 cpu"]
 
 Same weights (the embedded GGUF, dequantized to float32 by each side), the same input ids (the first
 `prompt_tokens` tokens of HumanEval prompts; equal lengths, so neither side pads), EOS disabled so
-both emit exactly `new_tokens` tokens. Medians of `repeats` runs after one warm-up run. Hugging Face
+both emit exactly `new_tokens` tokens, end to end (prefill included). specjax decodes in each variant
+(ModelSpec.dtype and .kernels; "cpu" needs scripts/build_cpu_kernels.sh), Hugging Face in float32.
+Medians of `repeats` runs after one warm-up run. Hugging Face
 runs in a process of its own, after specjax's timings (`--peer_only`): in one process torch's and
 XLA's thread pools slowed each other. The floor is the bytes one decode step must read (all weights
 + the valid KV cache at the mean length) over the measured read bandwidth. Writes
@@ -26,7 +29,8 @@ import jax
 import numpy as np
 
 import common
-from specjax import assets, loading, timing
+import roofline
+from specjax import assets, loading, models, timing
 from specjax.decoding import autoregressive
 from specjax.data import prompts as prompt_sets
 
@@ -74,6 +78,8 @@ def main():
   parser.add_argument("--prompt_tokens", type=int, default=64)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--no_peer", action="store_true")
+  parser.add_argument("--variants", default="float32 xla,float32 cpu",
+                      help="specjax's ModelSpec (dtype kernels) pairs, comma-separated")
   parser.add_argument("--peer_only", nargs=2, metavar=("IDS_JSON", "OUT_JSON"),
                       help="internal: time Hugging Face alone in this process")
   args = parser.parse_args()
@@ -83,31 +89,38 @@ def main():
   batches = [int(b) for b in args.batches.split(",")]
 
   target = loading.load_model()
-  config, tok, params = target.config, target.tokenizer, jax.device_put(target.params)
+  config, tok = target.config, target.tokenizer
   ids = [tok.encode(p) for p in prompt_sets.load_prompt_set("humaneval").prompts]
   ids = [i[:args.prompt_tokens] for i in ids if len(i) >= args.prompt_tokens]
 
   bandwidth = timing.read_bandwidth_gbps()
-  weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
   rows = []
-  for batch in batches:
-    prompts = np.array(ids[:batch], np.int32)
-    lengths = np.full((batch,), args.prompt_tokens, np.int32)
-    shape = autoregressive.DecodeShape(args.new_tokens, eos_id=None)
-    generate = autoregressive.make_generate(target.model, shape)
-    run = lambda: jax.block_until_ready(generate(params, prompts, lengths, jax.random.PRNGKey(0), 0.0, 1.0))
-    ours_s, ours_all = timing.median_seconds(run, args.repeats)
-    ours_tokens = np.asarray(run().tokens)
-    mean_length = args.prompt_tokens + args.new_tokens / 2
-    cache_bytes = (2 * config.num_layers * batch * mean_length * config.num_kv_heads * config.head_dim * 4)
-    floor_s = args.new_tokens * (weight_bytes + cache_bytes) / (bandwidth * 1e9)
-    row = {"batch": batch, "specjax_tokens_per_s": batch * args.new_tokens / ours_s,
-           "specjax_ms_per_step": 1000 * ours_s / args.new_tokens, "specjax_runs_s": ours_all,
-           "floor_ms_per_step": 1000 * floor_s / args.new_tokens}
-    row["specjax_over_floor"] = row["specjax_ms_per_step"] / row["floor_ms_per_step"]
-    rows.append(row)
-    row["specjax_tokens"] = ours_tokens
-    print({k: v for k, v in row.items() if k != "specjax_tokens"}, flush=True)
+  for variant in args.variants.split(","):
+    dtype_name, kernels = variant.split()
+    model, params = common.decoding_variant(target, dtype_name, kernels)
+    weight_bytes = sum(x.size for x in jax.tree_util.tree_leaves(target.params)) * \
+        np.dtype(models.DTYPES[dtype_name]).itemsize
+    for batch in batches:
+      prompts = np.array(ids[:batch], np.int32)
+      lengths = np.full((batch,), args.prompt_tokens, np.int32)
+      shape = autoregressive.DecodeShape(args.new_tokens, eos_id=None)
+      generate = autoregressive.make_generate(model, shape)
+      run = lambda: jax.block_until_ready(generate(params, prompts, lengths,
+                                                   jax.random.PRNGKey(0), 0.0, 1.0))
+      ours_s, ours_all = timing.median_seconds(run, args.repeats)
+      ours_tokens = np.asarray(run().tokens)
+      mean_length = args.prompt_tokens + args.new_tokens / 2
+      cache_bytes = 2 * config.num_layers * batch * mean_length * config.num_kv_heads * \
+          config.head_dim * 4
+      floor_s = args.new_tokens * (weight_bytes + cache_bytes) / (bandwidth * 1e9)
+      row = {"variant": variant, "batch": batch,
+             "specjax_tokens_per_s": batch * args.new_tokens / ours_s,
+             "specjax_ms_per_step": 1000 * ours_s / args.new_tokens, "specjax_runs_s": ours_all,
+             "floor_ms_per_step": 1000 * floor_s / args.new_tokens}
+      row["specjax_over_floor"] = row["specjax_ms_per_step"] / row["floor_ms_per_step"]
+      rows.append(row)
+      row["specjax_tokens"] = ours_tokens
+      print({k: v for k, v in row.items() if k != "specjax_tokens"}, flush=True)
   if not args.no_peer:
     peer = run_peer({b: np.array(ids[:b], np.int32) for b in batches}, args.new_tokens,
                     args.repeats)
@@ -122,19 +135,19 @@ def main():
     del row["specjax_tokens"]
 
   lines = [f"SmolLM2-135M-Instruct greedy, {args.new_tokens} new tokens after {args.prompt_tokens}-token "
-           f"prompts, float32, {platform.machine()} with {os.cpu_count()} cores; read bandwidth "
-           f"{bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB. Median of {args.repeats} runs.",
-           "",
-           "| batch | specjax tok/s | HF tok/s | specjax / HF | ms/step | floor ms/step | / floor | tokens = HF |",
-           "|---|---|---|---|---|---|---|---|"]
+           f"prompts, end to end, Hugging Face in float32; {roofline.cpu_description()}, "
+           f"{os.cpu_count()} cores; read bandwidth {bandwidth:.1f} GB/s (the floor's). Median of "
+           f"{args.repeats} runs.", "",
+           "| specjax variant | batch | specjax tok/s | HF tok/s | specjax / HF | ms/step | floor ms/step | / floor | tokens = HF |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    lines.append(f"| {r['batch']} | {r['specjax_tokens_per_s']:.1f} | {r.get('hf_tokens_per_s', float('nan')):.1f} "
+    lines.append(f"| {r['variant']} | {r['batch']} | {r['specjax_tokens_per_s']:.1f} | {r.get('hf_tokens_per_s', float('nan')):.1f} "
                  f"| {r.get('speedup_vs_hf', float('nan')):.2f}x | {r['specjax_ms_per_step']:.1f} "
                  f"| {r['floor_ms_per_step']:.1f} | {r['specjax_over_floor']:.2f}x "
                  f"| {r.get('same_tokens_as_hf', float('nan')):.0%} |")
   markdown = "\n".join(lines)
   print(markdown)
-  meta = {"bandwidth_gbps": bandwidth, "weight_bytes": weight_bytes, "jax": jax.__version__,
+  meta = {"bandwidth_gbps": bandwidth, "machine": roofline.cpu_description(), "jax": jax.__version__,
           "args": vars(args), "host": platform.node(), "cpus": os.cpu_count()}
   common.write_results("autoregressive", rows, markdown, meta)
 

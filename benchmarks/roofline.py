@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/roofline.py [--tokens 1,2,3,4,5,8,12,17,24,32] [--rows 1,2,4,...]
 
 1. Read bandwidth: a jitted sum over a 512 MB buffer (XLA), and a torch sum over the same bytes (the
-   peer's library, in its own process so neither side's threads slow the other).
+   peer's library, in its own process so neither side's threads slow the other); the floors use the
+   faster of the two (no step reads faster than the machine can).
 2. Matrix throughput by rows M: the target's weight shape streamed the way a step streams it, 90
    products of [M, 576] x [576, 1536] with 90 distinct weight matrices (as many bytes as SmolLM2's
    blocks read), in float32 and bfloat16, through XLA, through torch (oneDNN; the best library on
@@ -11,10 +12,11 @@
    "cpu", when scripts/build_cpu_kernels.sh has built them): GFLOP/s, and the time of the 90
    products.
 3. The ridge point (peak FLOP/s over bytes/s) of each path.
-4. The target (SmolLM2-135M, float32, batch 1 after a 128-token prompt): the floor of a step scoring T
-   tokens, max(bytes it must read / bandwidth, FLOPs / the best float32 throughput measured), beside the
-   measured step of the real verification program (Model.decode_step on T tokens, timed as the loop
-   runs it: timing.step_seconds), T = 1..32: v(T) = step(T) / step(1), and v's floor.
+4. The target (SmolLM2-135M, batch 1 after a 128-token prompt), for each decoding variant (float32 on
+   XLA's kernels, float32 and bfloat16 on specjax's CPU kernels; `--variants`): the floor of a step
+   scoring T tokens, max(bytes it must read / bandwidth, FLOPs / the best throughput measured in that
+   dtype), beside the measured forward on T tokens (timing.forward_step, timed as the loop runs it:
+   timing.step_seconds), T = 1..32: v(T) = step(T) / step(1), and v's floor.
 
 Writes benchmarks/results/roofline.{json,md}. Medians of repeated runs after a warm-up.
 """
@@ -133,11 +135,13 @@ def cpu_description() -> str:
   return f"{name} ({', '.join(found) or 'no AVX2'})"
 
 
-def step_bytes_and_flops(config, params, cache_length: int, tokens: int) -> tuple[int, int]:
-  """(bytes a step must read: every weight + the valid KV cache, FLOPs of scoring `tokens`): the
-  matrix products 2 * (parameters touched) per token, the head over the whole vocabulary included,
-  and attention 4 * heads * head_dim * cache_length per token and layer."""
-  weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+def step_bytes_and_flops(config, params, cache_length: int, tokens: int,
+                         weight_itemsize: int = 4) -> tuple[int, int]:
+  """(bytes a step must read: every weight in a dtype of `weight_itemsize` bytes + the valid float32
+  KV cache, FLOPs of scoring `tokens`): the matrix products 2 * (parameters touched) per token, the
+  head over the whole vocabulary included, and attention 4 * heads * head_dim * cache_length per
+  token and layer."""
+  weight_bytes = sum(x.size * weight_itemsize for x in jax.tree_util.tree_leaves(params))
   kv_bytes = 2 * config.num_layers * cache_length * config.num_kv_heads * config.head_dim * 4
   matrix_params = sum(x.size for x in jax.tree_util.tree_leaves(params) if x.ndim == 2)
   attention = 4 * config.num_layers * config.num_heads * config.head_dim * cache_length
@@ -152,6 +156,7 @@ def main():
   parser.add_argument("--prompt", type=int, default=128)
   parser.add_argument("--no_peer", action="store_true")
   parser.add_argument("--output", default="roofline")
+  parser.add_argument("--variants", default="float32 xla,float32 cpu,bfloat16 cpu")
   args = parser.parse_args()
   tokens = [int(t) for t in args.tokens.split(",")]
   rows = [int(r) for r in args.rows.split(",")]
@@ -175,59 +180,75 @@ def main():
   for dtype in DTYPES:
     size = jnp.dtype(dtype).itemsize
     peak = {path: max(r[f"{path}_gflops"] or 0 for r in matmul if r["dtype"] == dtype)
-            for path in ("xla", "library")}
-    ridge[dtype] = {path: (peak[path] / bandwidth if path == "xla" else
-                           peak[path] / (peer["bandwidth_gbps"] if peer else np.nan))
-                    for path in peak}
+            for path in ("xla", "library", "onednn")}
+    best = max(bandwidth, peer["bandwidth_gbps"] if peer else 0.0)
+    ridge[dtype] = {"xla": peak["xla"] / bandwidth,
+                    "library": peak["library"] / peer["bandwidth_gbps"] if peer else np.nan,
+                    "onednn": peak["onednn"] / best}
     ridge[dtype]["bytes_per_product_set"] = weight_bytes * size
 
+  best_bandwidth = max(bandwidth, peer["bandwidth_gbps"] if peer else 0.0)
+  # The machine's best throughput per dtype, at any row count and through any path: no step computes
+  # faster than that, nor reads faster than the best bandwidth.
+  peak = {dtype: max(max(r["library_gflops"] or 0, r["xla_gflops"], r["onednn_gflops"] or 0)
+                     for r in matmul if r["dtype"] == dtype) for dtype in DTYPES}
+
   target = loading.load_model()
-  config, params, model = target.config, jax.device_put(target.params), target.model
-  probe = ModelDrafter(model)
+  config = target.config
   prompt = (jnp.full((1, args.prompt), 7, jnp.int32), jnp.asarray([args.prompt], jnp.int32))
   cache_length = args.prompt + max(tokens) + 2
-  state = jax.jit(probe.init, static_argnums=3)(params, *prompt, cache_length)
-  step = timing.target_step(model)
-  # The machine's best float32 throughput at any row count and through either path: no step can
-  # compute faster than that, nor read faster than the bandwidth.
-  peak = max(max(r["library_gflops"] or 0, r["xla_gflops"]) for r in matmul if r["dtype"] == "float32")
   verify = []
-  for t in tokens:
-    fresh = jax.tree_util.tree_map(jnp.copy, state)  # the timer donates the state it is given
-    ms = 1000 * timing.step_seconds(step, params, fresh, *timing.one_token(prompt, t), args.repeats,
-                                    rounds=3)
-    read, flops = step_bytes_and_flops(config, target.params, args.prompt + t, t)
-    floor = max(read / (bandwidth * 1e9), flops / (peak * 1e9))
-    verify.append({"tokens": t, "step_ms": ms, "floor_ms": 1000 * floor,
-                   "bandwidth_floor_ms": 1000 * read / (bandwidth * 1e9)})
-  for row in verify:
-    row["v"] = row["step_ms"] / verify[0]["step_ms"]
-    row["v_floor"] = row["floor_ms"] / verify[0]["floor_ms"]
-    row["step_over_floor"] = row["step_ms"] / row["floor_ms"]
+  for variant in args.variants.split(","):
+    dtype_name, kernels = variant.split()
+    if kernels == "cpu" and not cpu_kernels.available():
+      print(f"{variant}: left out ({cpu_kernels.BUILD_FIX})", file=sys.stderr)
+      continue
+    model, params = common.decoding_variant(target, dtype_name, kernels)
+    state = common.fresh_state(ModelDrafter(model), params, prompt, cache_length)
+    rows = []
+    for t in tokens:
+      fresh = jax.tree_util.tree_map(jnp.copy, state)  # the timer donates the state it is given
+      ms = 1000 * timing.step_seconds(timing.forward_step(model), params, fresh,
+                                      *timing.one_token(prompt, t), args.repeats, rounds=3)
+      read, flops = step_bytes_and_flops(config, target.params, args.prompt + t, t,
+                                         jnp.dtype(dtype_name).itemsize)
+      floor = max(read / (best_bandwidth * 1e9), flops / (peak[dtype_name] * 1e9))
+      rows.append({"variant": variant, "tokens": t, "step_ms": ms, "floor_ms": 1000 * floor,
+                   "bandwidth_floor_ms": 1000 * read / (best_bandwidth * 1e9)})
+      print(f"{variant} T={t}: {ms:.1f} ms (floor {1000 * floor:.1f})", flush=True)
+    for row in rows:
+      row["v"] = row["step_ms"] / rows[0]["step_ms"]
+      row["v_floor"] = row["floor_ms"] / rows[0]["floor_ms"]
+      row["step_over_floor"] = row["step_ms"] / row["floor_ms"]
+    verify += rows
 
-  meta = {"machine": cpu_description(), "cpus": os.cpu_count(),
-          "peak_float32_gflops": peak,
+  meta = {"machine": cpu_description(), "cpus": os.cpu_count(), "peak_gflops": peak,
           "jax": jax.__version__, "bandwidth_gbps": bandwidth,
           "peer_bandwidth_gbps": None if peer is None else peer["bandwidth_gbps"],
+          "floor_bandwidth_gbps": best_bandwidth,
           "ridge_flop_per_byte": ridge, "prompt": args.prompt, "repeats": args.repeats}
   lines = [f"{datetime.date.today()}, {meta['machine']}, {meta['cpus']} cores: "
            f"`python benchmarks/roofline.py {' '.join(sys.argv[1:])}`", "",
            f"Read bandwidth: XLA {bandwidth:.1f} GB/s"
-           + (f", torch {peer['bandwidth_gbps']:.1f} GB/s" if peer else ""), "",
-           "| dtype | rows | XLA ms (90 products) | XLA GFLOP/s | torch ms | torch GFLOP/s | specjax "
-           "oneDNN ms | oneDNN GFLOP/s |", "|---|---|---|---|---|---|---|---|"]
+           + (f", torch {peer['bandwidth_gbps']:.1f} GB/s" if peer else "")
+           + f"; the floors use {best_bandwidth:.1f}", "",
+           "90 products [M, 576] x [576, 1536], each with its own weights:", "",
+           "| dtype | rows | XLA ms | XLA GFLOP/s | torch ms | torch GFLOP/s | CPU kernels ms | "
+           "CPU kernels GFLOP/s |", "|---|---|---|---|---|---|---|---|"]
   fmt = lambda v, f: "-" if v is None else f.format(v)
   for r in matmul:
     lines.append(f"| {r['dtype']} | {r['rows']} | {r['xla_ms']:.1f} | {r['xla_gflops']:.0f} | "
                  f"{fmt(r['library_ms'], '{:.1f}')} | {fmt(r['library_gflops'], '{:.0f}')} | "
                  f"{fmt(r['onednn_ms'], '{:.1f}')} | {fmt(r['onednn_gflops'], '{:.0f}')} |")
   lines += ["", "Ridge points (peak FLOP/s over read bytes/s): " + "; ".join(
-      f"{d} XLA {ridge[d]['xla']:.1f}, torch {ridge[d]['library']:.1f} FLOP/byte" for d in DTYPES),
-      "", f"SmolLM2-135M float32, batch 1 after {args.prompt} tokens: the verification of T tokens",
-      "", "| T | step ms | floor ms | v(T) | v floor | step / floor |", "|---|---|---|---|---|---|"]
+      f"{d} XLA {ridge[d]['xla']:.1f}, torch {ridge[d]['library']:.1f}, CPU kernels "
+      f"{ridge[d]['onednn']:.1f} FLOP/byte" for d in DTYPES),
+      "", f"SmolLM2-135M, batch 1 after {args.prompt} tokens: the forward on T tokens against its "
+      "floor", "", "| variant | T | step ms | floor ms | v(T) | v floor | step / floor |",
+      "|---|---|---|---|---|---|---|"]
   for r in verify:
-    lines.append(f"| {r['tokens']} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | {r['v']:.2f} | "
-                 f"{r['v_floor']:.2f} | {r['step_over_floor']:.2f} |")
+    lines.append(f"| {r['variant']} | {r['tokens']} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | "
+                 f"{r['v']:.2f} | {r['v_floor']:.2f} | {r['step_over_floor']:.2f} |")
   markdown = "\n".join(lines)
   common.write_results(args.output, {"matmul": matmul, "verify": verify}, markdown, meta)
   print(markdown)

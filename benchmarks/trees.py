@@ -3,7 +3,8 @@ goes, measured vs predicted speedup.
 
     .venv/bin/python benchmarks/trees.py [--drafters lookup,bigram,mtp:out/smollm2_mtp/heads]
         [--trees "chain:3;spine:3x3;full:3,2,1"] [--temperatures 0,1] [--prompts 8] [--repeats 3]
-        [--new_tokens 64] [--task humaneval] [--checkpoint embedded:smollm2] [--out trees]
+        [--new_tokens 64] [--task humaneval] [--checkpoint embedded:smollm2] [--dtype float32]
+        [--kernels xla] [--out trees]
 
 The tree sweep's measurement (experiments/tree_sweep.measure_point on an experiments/measure.Bench)
 without a run directory: for every drafter x tree x temperature, on the task's first `--prompts`
@@ -53,6 +54,8 @@ def parse_args():
   parser.add_argument("--new_tokens", type=int, default=64)
   parser.add_argument("--task", default="humaneval", help="a prompt set of specjax.data.prompts or a .jsonl")
   parser.add_argument("--checkpoint", default=specs.ModelSpec().checkpoint)
+  parser.add_argument("--dtype", default=None, help="specs.ModelSpec.dtype: float32 or bfloat16")
+  parser.add_argument("--kernels", default=None, help="specs.ModelSpec.kernels: cpu or xla")
   parser.add_argument("--style", default="chat", help="prompt style: chat, or t5 for a T5 target")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default="trees")
@@ -81,7 +84,8 @@ def main():
       temperatures=tuple(float(t) for t in args.temperatures.split(",")),
       prompts_per_task=args.prompts, repeats=args.repeats)
   points = grid.points()  # validates every name before the target is loaded
-  target, _ = loading.load_target(specs.ModelSpec(args.checkpoint), (1, 1))
+  target, _ = loading.load_target(specs.ModelSpec(args.checkpoint, dtype=args.dtype,
+                                                  kernels=args.kernels), (1, 1))
   for name in grid.drafters:  # as the sweep: heads / MTP are refused for a T5 target, with the fix
     registry.check(name, target.config)
   bench = measure.Bench(target, measure.task_prompt_sets(grid.tasks, grid.prompts_per_task, args.style),
@@ -98,7 +102,8 @@ def main():
                + ("" if r["temperature"] else f", greedy equal: {r['outputs_match_baseline']}"))
   total_s = time.perf_counter() - started
   header = (f"{measure.size_name(target.config)} target ({args.checkpoint}), "
-            f"batch 1, {len(bench.prompts[args.task])} held-out {args.task} prompts, "
+            f"{args.dtype or 'float32'} on {'the CPU' if args.kernels == 'cpu' else 'XLA'}'s "
+            f"kernels, batch 1, {len(bench.prompts[args.task])} held-out {args.task} prompts, "
             f"{args.new_tokens} new tokens, EOS on; {platform.machine()} with {os.cpu_count()} "
             f"cores, jax {jax.__version__}; {args.repeats} timed pass(es) per point, in turn with "
             f"the baseline's and the parts'. Total run {total_s / 60:.1f} min.")

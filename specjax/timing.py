@@ -199,6 +199,17 @@ def target_step(model: contracts.Model):
   return fn
 
 
+def forward_step(model: contracts.Model):
+  """The target's forward on T tokens with the argmax at every position (what a greedy
+  verification reads; it keeps every position's logits live): a step before any sampling
+  transform, the part of verification the roofline bounds. Same state as `target_step`."""
+  def fn(params, state, tokens, positions):
+    logits, cache = model.decode_step(params, state.context, tokens, positions, state.cache)
+    return jnp.sum(jnp.argmax(logits, axis=-1), axis=-1).astype(jnp.int32), \
+        state.replace(cache=cache)
+  return fn
+
+
 def one_token(prompt: tuple[jax.Array, jax.Array], width: int = 1) -> tuple[jax.Array, jax.Array]:
   """tokens[1, width] (the last prompt token repeated) at the positions right after the prompt."""
   tokens, lengths = prompt
