@@ -177,17 +177,16 @@ def main():
                      "onednn_gflops": None if ours is None else flops / ours / 1e9})
   weight_bytes = PRODUCTS * IN * OUT
   ridge = {}
+  best_bandwidth = max(bandwidth, peer["bandwidth_gbps"] if peer else 0.0)
   for dtype in DTYPES:
     size = jnp.dtype(dtype).itemsize
     peak = {path: max(r[f"{path}_gflops"] or 0 for r in matmul if r["dtype"] == dtype)
             for path in ("xla", "library", "onednn")}
-    best = max(bandwidth, peer["bandwidth_gbps"] if peer else 0.0)
     ridge[dtype] = {"xla": peak["xla"] / bandwidth,
                     "library": peak["library"] / peer["bandwidth_gbps"] if peer else np.nan,
-                    "onednn": peak["onednn"] / best}
+                    "onednn": peak["onednn"] / best_bandwidth}
     ridge[dtype]["bytes_per_product_set"] = weight_bytes * size
 
-  best_bandwidth = max(bandwidth, peer["bandwidth_gbps"] if peer else 0.0)
   # The machine's best throughput per dtype, at any row count and through any path: no step computes
   # faster than that, nor reads faster than the best bandwidth.
   peak = {dtype: max(max(r["library_gflops"] or 0, r["xla_gflops"], r["onednn_gflops"] or 0)

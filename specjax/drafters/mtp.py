@@ -55,7 +55,7 @@ def init_mtp(embed_dim: int) -> dict:
 def input_rows(target_config, target_params) -> jax.Array:
   """[V, E]: the target's input embedding (what the head embeds the token with, by layers.embed)."""
   del target_config
-  return jnp.asarray(target_params["embedding"])  # bit patterns on the CPU kernels: layers.embed
+  return jnp.asarray(target_params["embedding"])
 
 
 def next_state(params: dict, hidden: jax.Array, embedded: jax.Array) -> jax.Array:

@@ -60,7 +60,8 @@ class PackedKernel:
 
 @flax.struct.dataclass
 class NormScale:
-  """An RMSNorm's scale[E] (float32) that pack_params marked: the norm runs through rms_norm."""
+  """An RMSNorm's scale[E], in its own dtype, that pack_params marked: the norm runs through
+  rms_norm."""
   data: jax.Array
 
 
@@ -214,8 +215,9 @@ def pack_params(params, tied_head: bool):
   """Every 2-D kernel of a model's params packed for oneDNN in its own dtype (float32 or bfloat16),
   the FUSED groups side by side as one. Embedding tables stay (the lookup gathers rows); with
   `tied_head` (a head that reads the table transposed) each gains a packed transposed copy at HEAD
-  beside it; a bfloat16 table is stored as its 16-bit patterns (table_bits). RMSNorm scales become NormScale (the norm then sums in a fixed order). Leaves that are
-  not kernels (relative position tables, token id lists) stay as they are."""
+  beside it; a bfloat16 table is stored as its 16-bit patterns (table_bits). RMSNorm scales become
+  NormScale (the norm then sums in a fixed order). Leaves that are not kernels (relative position
+  tables, token id lists) stay as they are."""
   def walk(tree):
     out = {}
     tree = dict(tree)
@@ -236,7 +238,7 @@ def pack_params(params, tied_head: bool):
           and name not in ("rel_embedding",):
         out[name] = pack(value, value.dtype)
       elif name == "scale" and getattr(value, "ndim", 0) == 1:
-        out[name] = NormScale(jnp.asarray(value, jnp.float32))
+        out[name] = NormScale(value)
       else:
         out[name] = value
     return out
