@@ -205,7 +205,7 @@ def forward_step(model: contracts.Model):
   transform, the part of verification the roofline bounds. Same state as `target_step`."""
   def fn(params, state, tokens, positions):
     logits, cache = model.decode_step(params, state.context, tokens, positions, state.cache)
-    return jnp.sum(jnp.argmax(logits, axis=-1), axis=-1).astype(jnp.int32), \
+    return jnp.sum(sampling.argmax(logits), axis=-1).astype(jnp.int32), \
         state.replace(cache=cache)
   return fn
 
@@ -267,7 +267,7 @@ def iteration_timer(target: contracts.Model, params, drafter, draft_params, conf
     (params, draft_params, context, temperature, s, proposal), (cache, step) = inputs, state
     loop = _loop(target, drafter, config, params, draft_params, context, temperature)
     verified = loop.verify(varying(step, s).replace(target_cache=cache), varying(step, proposal))
-    return (jnp.argmax(verified.logits, axis=-1),
+    return (sampling.argmax(verified.logits),
             (contracts.set_lengths(verified.cache, s.target_cache.lengths), step + 1))
 
   def accept(inputs, state, _tokens, _positions):

@@ -16,6 +16,26 @@ def test_greedy_is_one_hot_on_argmax_lowest_id_on_ties():
   np.testing.assert_array_equal(probs, [[0, 1, 0, 0]])
 
 
+def test_argmax_equals_jnps_on_ties_infinities_nan_and_bfloat16():
+  """sampling.argmax against jnp.argmax: random rows, rows of equal maxima (the first wins), rows
+  of -inf with one finite entry, +inf twice, NaN (jnp.argmax returns the first NaN), and
+  bfloat16, for 1-D and batched inputs."""
+  rng = np.random.RandomState(0)
+  rows = [rng.standard_normal(97).astype(np.float32) for _ in range(8)]
+  tied = np.zeros(97, np.float32); tied[[5, 40, 96]] = 3.0
+  lonely = np.full(97, -np.inf, np.float32); lonely[60] = -1e30
+  infinite = rng.standard_normal(97).astype(np.float32); infinite[[7, 9]] = np.inf
+  nan = rng.standard_normal(97).astype(np.float32); nan[[30, 70]] = np.nan; nan[3] = np.inf
+  batch = np.stack(rows + [tied, lonely, infinite, nan])
+  for scores in (batch, batch[:1, :], batch[0], batch.reshape(3, 4, 97)):
+    for dtype in (jnp.float32, jnp.bfloat16):
+      x = jnp.asarray(scores, dtype)
+      ours = jax.jit(sampling.argmax)(x)
+      assert ours.dtype == jnp.int32
+      np.testing.assert_array_equal(np.asarray(ours), np.asarray(jnp.argmax(x, axis=-1)))
+  assert [int(i) for i in sampling.argmax(jnp.asarray(batch[8:]))] == [5, 60, 7, 30]
+
+
 def test_temperature_scales_logits():
   probs = sampling.probs_from_logits(LOGITS, temperature=0.5)
   expected = np.array([0.05, 0.4, 0.1, 0.25, 0.2]) ** 2

@@ -84,7 +84,7 @@ def greedy_target_probs(logits: jax.Array) -> jax.Array:
   """
   logits = logits.astype(jnp.float32)
   probs = jax.nn.softmax(logits, axis=-1)
-  is_top = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=bool)
+  is_top = jax.nn.one_hot(sampling.argmax(logits), logits.shape[-1], dtype=bool)
   peak = jnp.max(probs, axis=-1, keepdims=True)  # the argmax entry: exp(0) / sum is the largest
   return jnp.where(~is_top & (probs >= peak), jnp.nextafter(peak, 0.0), probs)
 
@@ -160,7 +160,7 @@ def accept_with_uniforms(accept_uniforms: jax.Array, resample_uniform: jax.Array
   # sample_with_uniform scales by the total mass itself, so the residual needs no normalisation.
   sampled_next = sampling.sample_with_uniform(resample_uniform, jnp.where(enough_mass, residual,
                                                                           target_next))
-  next_token = jnp.where(greedy, jnp.argmax(target_next, axis=-1), sampled_next)
+  next_token = jnp.where(greedy, sampling.argmax(target_next), sampled_next)
   return num_accepted.astype(jnp.int32), next_token.astype(jnp.int32)
 
 
@@ -375,7 +375,7 @@ class ChainRejection:
     # Greedy and lossless (the common case), decided at run time: the argmax ids decide it all, and
     # the vocabulary-sized transforms of the general rule are skipped.
     return jax.lax.cond(settings.greedy & (settings.lenience == 1.0),
-                        lambda _: greedy_chain(tokens, jnp.argmax(logits, axis=-1)), general, None)
+                        lambda _: greedy_chain(tokens, sampling.argmax(logits)), general, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,7 +401,7 @@ class TreeWalk:
       # Greedy, decided at run time: the walk on argmax ids, no vocabulary-sized arrays.
       return jax.lax.cond(
           settings.greedy,
-          lambda _: greedy_walk(parents, tokens, jnp.argmax(logits, axis=-1), tree.depth),
+          lambda _: greedy_walk(parents, tokens, sampling.argmax(logits), tree.depth),
           lambda _: walk(parents, tokens, target_probs(), uniforms, tree.depth), None)
     static = isinstance(parents, np.ndarray)
     width = int(trees.children(parents).sum(-1).max()) if static else tree.size - 1

@@ -34,6 +34,17 @@ def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
     raise ValueError(f"top_p must lie in (0, 1] (1 disables nucleus sampling), got {top_p}")
 
 
+def argmax(scores: jax.Array) -> jax.Array:
+  """jnp.argmax(scores, axis=-1) as int32 (ties and NaN alike: the first maximum, or the first NaN),
+  as two vectorised passes: the row's max, then the first index that holds it. XLA:CPU runs
+  jnp.argmax's paired (value, index) reduction one element at a time: 1.5 ms over 17 rows of
+  SmolLM2's 49,152 logits against 0.7 ms this way (2-core Xeon, 2026-12)."""
+  peak = jnp.max(scores, axis=-1, keepdims=True)
+  hit = (scores == peak) | jnp.isnan(scores)
+  ids = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+  return jnp.min(jnp.where(hit, ids, scores.shape[-1]), axis=-1)
+
+
 def probs_from_logits(logits: jax.Array, temperature=0.0, top_k: int = 0, top_p=1.0) -> jax.Array:
   """logits[..., V] float -> probabilities[..., V] float32 after temperature, top-k and top-p.
 
@@ -43,7 +54,7 @@ def probs_from_logits(logits: jax.Array, temperature=0.0, top_k: int = 0, top_p=
   temperature = jnp.asarray(temperature, jnp.float32)
   top_p = jnp.asarray(top_p, jnp.float32)
   vocab = logits.shape[-1]
-  greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+  greedy = jax.nn.one_hot(argmax(logits), vocab, dtype=jnp.float32)
 
   def sampled(logits):
     # The tiny floor keeps the division finite when temperature is 0; that branch is discarded below.
@@ -141,7 +152,7 @@ def top_ids(scores: jax.Array, width: int) -> jax.Array:
   rows = jnp.arange(scores.shape[0])
   ids = []
   for _ in range(width):
-    best = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    best = argmax(scores)
     ids.append(best)
     scores = scores.at[rows, best].set(-jnp.inf)
   return jnp.stack(ids, axis=1)
