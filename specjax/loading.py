@@ -208,7 +208,7 @@ def load_target(spec: ModelSpec, mesh_shape: tuple = (1, 1)) -> tuple[LoadedMode
   if on_cpu:
     params = cpu_kernels.pack_params_for(loaded.config, params, mesh.size)
   logging.info("%s; decoding in %s on %s", sharding.describe(mesh), spec.dtype_name,
-               f"specjax's CPU kernels (oneDNN {cpu_kernels.implementation(dtype=dtype)})"
+               f"specjax's CPU kernels (products: {cpu_kernels.implementation()})"
                if on_cpu else "XLA's kernels")
   model = models.model_for(loaded.config, mesh if mesh.size > 1 else None,
                            cpu_kernels.CACHE_DTYPE if on_cpu else dtype)

@@ -8,8 +8,11 @@ and greedy speculative output equals greedy autoregressive output by constructio
 scripts/build_cpu_kernels.sh, which scripts/setup.sh runs: without the library these fail, naming it.
 """
 
+import ctypes
 import dataclasses
 import functools
+import os
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +39,12 @@ def _name(dtype) -> str:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
-@pytest.mark.parametrize("shape,rows", [((64, 128), (1,)), ((100, 37), (2, 3)), ((576, 1536), (5,))])
+@pytest.mark.parametrize("shape,rows", [((64, 128), (1,)), ((100, 37), (2, 3)), ((576, 1536), (5,)),
+                                        ((7, 70), (11,)), ((33, 1), (9,))])
 def test_products_equal_xlas_to_float32_rounding(shape, rows, dtype):
-  """x[..., k] x kernel[k, n] on oneDNN against XLA's product summed in float32, odd shapes included
-  (oneDNN pads them in its blocked layout), and the packed kernel unpacks to itself."""
+  """x[..., k] x kernel[k, n] on the CPU kernels against XLA's product summed in float32, odd shapes
+  included (the last panel of 32 columns is zero-padded; row counts past one block of 8), and the
+  packed kernel unpacks to itself."""
   rng = np.random.RandomState(0)
   kernel = jnp.asarray(rng.standard_normal(shape), dtype)
   x = jnp.asarray(rng.standard_normal((*rows, shape[0])), dtype)
@@ -50,15 +55,6 @@ def test_products_equal_xlas_to_float32_rounding(shape, rows, dtype):
   np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), rtol=1e-5,
                              atol=1e-5 * float(np.abs(np.asarray(xla)).max()))
   np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack(packed)), np.asarray(kernel))
-  # A row count whose product wants another weight layout than the packed one reorders the packed
-  # weight on each call: the same product.
-  lib = cpu_kernels.require()
-  lib.specjax_cpu_matmul_always_reorder(1)
-  try:
-    reordered = jax.jit(cpu_kernels.matmul)(x, packed)
-  finally:
-    lib.specjax_cpu_matmul_always_reorder(0)
-  np.testing.assert_array_equal(np.asarray(reordered), np.asarray(ours))
   with pytest.raises(ValueError, match=r"x\[\.\.\., 3\] against a packed"):
     cpu_kernels.matmul(jnp.ones((1, 3), dtype), packed)
 
@@ -69,9 +65,8 @@ def test_products_equal_xlas_to_float32_rounding(shape, rows, dtype):
 def test_every_row_of_a_product_is_computed_alike_whatever_the_row_count(shape, dtype):
   """SmolLM2's product shapes (fused q / k / v, fused gate / up, down, the tied head) and a tiny one:
   rows computed 1, 2, ... 20, 33 or 64 at a time, from any offset, equal the same rows of one
-  256-row product bit for bit. On AMX cores oneDNN's own kernel for 1-2 rows of the head is another
-  than for 3 or more (its rows then differed in the last bits); those row counts run as padded
-  16-row blocks, so every row goes through one kernel."""
+  256-row product bit for bit (a row's sums run in one order whatever its block of 8 rows, its
+  place in it, or which core owns its columns)."""
   rng = np.random.RandomState(1)
   packed = cpu_kernels.pack(jnp.asarray(rng.standard_normal(shape) * 0.05, dtype), dtype)
   x = jnp.asarray(rng.standard_normal((256, shape[0])), dtype)
@@ -81,14 +76,56 @@ def test_every_row_of_a_product_is_computed_alike_whatever_the_row_count(shape, 
     for start in (0, 7, 150):
       np.testing.assert_array_equal(np.asarray(product(x[start:start + rows], packed)),
                                     whole[start:start + rows], err_msg=f"{rows} rows from {start}")
-  assert isinstance(cpu_kernels.blocked(1, *shape, dtype=dtype), bool)
+
+
+def _build_portable(directory) -> ctypes.CDLL:
+  """csrc/matmul.cc built without AVX-512 (its std::fma path), as a library of its own."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  library = os.path.join(directory, "libportable.so")
+  subprocess.run(["g++", "-O2", "-march=x86-64-v3", "-ffp-contract=off", "-std=c++17", "-fPIC",
+                  "-shared", "-pthread", "-w", os.path.join(root, "csrc", "matmul.cc"), "-o", library,
+                  f"-I{jax.ffi.include_dir()}"], check=True)
+  return ctypes.CDLL(library)
+
+
+def _run(lib, x, packed: cpu_kernels.PackedKernel) -> np.ndarray:
+  k, n = packed.shape
+  x = np.ascontiguousarray(x, np.float32)
+  data = np.ascontiguousarray(np.asarray(packed.data))
+  y = np.empty((x.shape[0], n), np.float32)
+  lib.specjax_cpu_matmul_run(x.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(x.shape[0]),
+                             ctypes.c_int64(k), ctypes.c_int64(n),
+                             ctypes.c_int(int(packed.dtype == "float32")),
+                             data.ctypes.data_as(ctypes.c_void_p), y.ctypes.data_as(ctypes.c_void_p))
+  return y
+
+
+def test_the_portable_build_and_any_thread_count_compute_the_same_bits(tmp_path, monkeypatch):
+  """The vector code (this machine's build, on 2 threads or however many cores there are) against
+  the same file built without AVX-512 and run on 3 threads (another split of the panels): every
+  float32 and bfloat16 product, odd shapes and 1-40 rows included, equal bit for bit. Both sum each
+  row over k in one order from zero with one rounding per step, and a panel's owner changes nothing."""
+  vector = cpu_kernels.require()
+  monkeypatch.setenv("SPECJAX_CPU_THREADS", "3")
+  portable = _build_portable(str(tmp_path))
+  for lib in (vector, portable):
+    lib.specjax_cpu_matmul_run.restype = None
+  assert portable.specjax_cpu_matmul_implementation
+  rng = np.random.RandomState(3)
+  for dtype in DTYPES:
+    for (k, n), rows in [((576, 960), 17), ((1536, 576), 5), ((33, 70), 40), ((7, 1), 1),
+                         ((64, 4096), 3)]:
+      packed = cpu_kernels.pack(jnp.asarray(rng.standard_normal((k, n)) * 0.1, dtype), dtype)
+      x = rng.standard_normal((rows, k)).astype(np.float32)
+      x[0, :3] = [1e-39, -3e-40, 0.0]  # subnormal rows (no flushing outside XLA)
+      np.testing.assert_array_equal(_run(portable, x, packed), _run(vector, x, packed),
+                                    err_msg=f"{jnp.dtype(dtype).name} [{rows}, {k}] x [{k}, {n}]")
 
 
 def test_products_run_alone_when_xla_runs_them_concurrently():
-  """16 independent products in one program (XLA may run them at once): every one equals XLA's, in
-  each of 100 runs. Before the custom call ran one product at a time, about 1 in 1,600 came back
-  wrong (oneDNN's shared scratchpad); with the lock the results are deterministic, so this test
-  cannot fail by chance."""
+  """16 independent products in one program (XLA may run them at once, from several threads, and
+  they share one team of worker threads): every one equals XLA's, in each of 100 runs. The calls
+  take turns on the team, so the results are deterministic and this test cannot fail by chance."""
   rng = np.random.RandomState(1)
   kernels = [jnp.asarray(rng.standard_normal((64, 96)), BF16) for _ in range(16)]
   packed = [cpu_kernels.pack(kernel) for kernel in kernels]

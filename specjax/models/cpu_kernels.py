@@ -1,28 +1,32 @@
-"""specjax's CPU kernels, behind `ModelSpec.kernels = "cpu"`: matrix products through oneDNN and
-attention over the KV cache, both XLA FFI custom calls (csrc/, built into .venv/lib by
-scripts/build_cpu_kernels.sh, which scripts/setup.sh runs).
+"""specjax's CPU kernels, behind `ModelSpec.kernels = "cpu"`: matrix products, attention over the
+KV cache, the cache write and RMSNorm as XLA FFI custom calls (csrc/, built into .venv/lib by
+scripts/build_cpu_kernels.sh with g++ alone, which scripts/setup.sh runs).
 
 Why not XLA's own kernels on a CPU:
   * Speed. XLA:CPU's products of a few rows cost what they compute, not what they read (a 5-token
     verification of SmolLM2 in float32 costs 1.5-1.9 one-token steps), and it has no fast bfloat16
-    product at all. oneDNN, on weights reordered once at load into its blocked layout
-    (`pack_params`), streams them at about the memory's speed for 1-17 rows in float32 and runs
-    bfloat16 on the cores' matrix units (AVX-512 BF16, AMX) where they have them (docs/results.md).
+    product at all. Here weights are packed once at load into panels of 32 columns (`pack_params`)
+    that each product streams at about the memory's speed, fetched ahead, split between the cores;
+    bfloat16 weights are read as such (half the bytes) and widened in registers (csrc/matmul.cc,
+    docs/results.md).
   * Exactness. XLA's products and its attention compute a token's last bits differently depending
     on how many tokens share the call (a product of 1 row is not row 0 of a product of 5) and on the
     cache buffer's length, so a speculative verification of T tokens and the one-token baseline
     disagree in the last bits, and now and then a near-tie flips a greedy token (it did on 3 of 8
-    held-out SmolLM2 prompts in bfloat16). Here every row of a product goes through one kernel
-    whatever the row count (oneDNN picks kernels by row count: a count whose kernel differs from the
-    16-row one runs as padded blocks of 16 rows), and the attention sums each query over the slots
-    it sees in increasing order (csrc/attention.cc), so greedy speculative output equals greedy
-    autoregressive output token for token, chains and trees, both families, both dtypes.
+    held-out SmolLM2 prompts in bfloat16). Here each row of a product sums over k in one order
+    whatever the row count, the attention sums each query over the slots it sees in increasing order
+    (csrc/attention.cc) and the norm each row in one order (csrc/rms_norm.cc), so greedy speculative
+    output equals greedy autoregressive output token for token, chains and trees, both families,
+    both dtypes.
 
 `pack_params` replaces every 2-D kernel of a params tree with a `PackedKernel`; `layers.dense` sends
 x x PackedKernel to `matmul`; a model whose kernels are packed also runs its decoder attention
 through `attention` and `cache_write` (layers.CachedAttention, the T5 decoder). A decode on these
-kernels keeps its KV cache in float32 (CACHE_DTYPE). Only for decoding: packed params are not for
-training (no gradient) or a mesh of more than one device (the calls run on one host's CPU).
+kernels keeps its KV cache in float32 (CACHE_DTYPE), and a bfloat16 model its residual stream too
+(layers.embed: its products round their rows to bfloat16). The calls share one team of threads, one
+per core (SPECJAX_CPU_THREADS sets another count; results do not depend on it). Only for decoding:
+packed params are not for training (no gradient) or a mesh of more than one device (the calls run
+on one host's CPU).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ SETTING = "ModelSpec.kernels = 'cpu'"
 
 @flax.struct.dataclass
 class PackedKernel:
-  """A [in, out] bfloat16 or float32 kernel in oneDNN's blocked layout: `data` holds its bytes."""
+  """A [in, out] bfloat16 or float32 kernel in panels of 32 columns (csrc/matmul.cc): `data` holds
+  its bytes."""
   data: jax.Array
   shape: tuple = flax.struct.field(pytree_node=False)
   # Kernels fused side by side into this one (FUSED): ((name, columns), ...); empty for one kernel.
@@ -78,11 +83,8 @@ def _library():
                                           ctypes.c_int, ctypes.c_void_p]
   lib.specjax_cpu_matmul_unpack.restype = ctypes.c_int
   lib.specjax_cpu_matmul_unpack.argtypes = lib.specjax_cpu_matmul_pack.argtypes
-  lib.specjax_cpu_matmul_always_reorder.argtypes = [ctypes.c_int]
   lib.specjax_cpu_matmul_implementation.restype = ctypes.c_char_p
-  lib.specjax_cpu_matmul_implementation.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
-  lib.specjax_cpu_matmul_blocked.restype = ctypes.c_int
-  lib.specjax_cpu_matmul_blocked.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
+  lib.specjax_cpu_matmul_implementation.argtypes = []
   for target, symbol in TARGETS.items():
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
   return lib
@@ -92,22 +94,16 @@ def available() -> bool:
   return _library() is not None
 
 
-def implementation(k: int = 576, n: int = 1536, rows: int = 16, dtype=jnp.bfloat16) -> str:
-  """oneDNN's kernel for `rows` rows of a [k, n] product on this CPU, e.g. 'brg:avx512_core_bf16'
-  (AVX-512 BF16) or 'brg:avx512_core_amx' (AMX); requires the library."""
-  return require().specjax_cpu_matmul_implementation(rows, k, n, _is_f32(dtype)).decode()
-
-
-def blocked(rows: int, k: int, n: int, dtype=jnp.bfloat16) -> bool:
-  """Whether `rows` rows of a [k, n] product run as blocks of 16 rows: oneDNN's own kernel for that
-  row count is another than for 16 rows, and every row must go through one kernel."""
-  return bool(require().specjax_cpu_matmul_blocked(rows, k, n, _is_f32(dtype)))
+def implementation() -> str:
+  """How this build runs its products: "avx512" (the vector code) or "portable" (the same sums
+  through std::fma, for a CPU without AVX-512: equal results, far slower); requires the library."""
+  return require().specjax_cpu_matmul_implementation().decode()
 
 
 def _is_f32(dtype) -> int:
   dtype = jnp.dtype(dtype)
   if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-    raise ValueError(f"oneDNN products here read float32 or bfloat16, not {dtype}")
+    raise ValueError(f"the CPU kernels' products read float32 or bfloat16, not {dtype}")
   return int(dtype == jnp.float32)
 
 
@@ -119,14 +115,14 @@ def require():
 
 
 def pack(kernel, dtype=jnp.bfloat16) -> PackedKernel:
-  """A [in, out] kernel, cast to `dtype` (bfloat16 or float32), in oneDNN's layout, on the host."""
+  """A [in, out] kernel, cast to `dtype` (bfloat16 or float32), in panels of 32 columns
+  (csrc/matmul.cc), on the host."""
   lib = require()
   k, n = kernel.shape
   f32 = _is_f32(dtype)
   plain = np.ascontiguousarray(np.asarray(jnp.asarray(kernel, dtype)))
   packed = np.empty(lib.specjax_cpu_matmul_packed_bytes(k, n, f32), np.uint8)
-  if lib.specjax_cpu_matmul_pack(plain.ctypes.data, k, n, f32, packed.ctypes.data):
-    raise RuntimeError(f"oneDNN could not pack a [{k}, {n}] {jnp.dtype(dtype).name} kernel")
+  lib.specjax_cpu_matmul_pack(plain.ctypes.data, k, n, f32, packed.ctypes.data)
   return PackedKernel(jnp.asarray(packed), (k, n), dtype=jnp.dtype(dtype).name)
 
 
@@ -136,24 +132,26 @@ def unpack(kernel: PackedKernel) -> jax.Array:
   k, n = kernel.shape
   packed = np.ascontiguousarray(np.asarray(kernel.data))
   plain = np.empty((k, n), jnp.dtype(kernel.dtype))
-  if lib.specjax_cpu_matmul_unpack(packed.ctypes.data, k, n, _is_f32(kernel.dtype),
-                                   plain.ctypes.data):
-    raise RuntimeError(f"oneDNN could not unpack a [{k}, {n}] {kernel.dtype} kernel")
+  lib.specjax_cpu_matmul_unpack(packed.ctypes.data, k, n, _is_f32(kernel.dtype), plain.ctypes.data)
   return jnp.asarray(plain)
 
 
 def matmul(x: jax.Array, kernel: PackedKernel, out_dtype=jnp.float32) -> jax.Array:
-  """x[..., in] x kernel -> [..., out] in `out_dtype`, summed in float32. x is read in the kernel's
-  dtype; a float32 kernel writes float32, a bfloat16 one float32 or bfloat16."""
+  """x[..., in] x kernel -> [..., out] in `out_dtype`, summed in float32. A float32 kernel reads
+  and writes float32; a bfloat16 one reads x as bfloat16 (float32 rows are rounded in the call, as
+  XLA's convert rounds them) and writes float32 or bfloat16."""
   k, n = kernel.shape
   if x.shape[-1] != k:
     raise ValueError(f"x[..., {x.shape[-1]}] against a packed [{k}, {n}] kernel")
-  if kernel.dtype == "float32":
+  bfloat16 = kernel.dtype == "bfloat16"
+  if not bfloat16 or x.dtype not in (jnp.float32, jnp.bfloat16):
+    x = x.astype(jnp.float32)
+  if not bfloat16:
     out_dtype = jnp.float32
   call = jax.ffi.ffi_call("specjax_cpu_matmul",
                           jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype),
                           vmap_method="sequential")
-  return call(x.astype(kernel.dtype), kernel.data)
+  return call(x, kernel.data, bfloat16_weights=bfloat16)
 
 
 def attention(queries: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array,
@@ -195,8 +193,8 @@ def cache_write(keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_val
 # The params of one decoder-only or T5 network a tied head reads transposed: packed as their own
 # leaf (the table itself stays for the embedding lookup).
 HEAD = "packed_head"
-# Kernels that read the same input, packed side by side as one product (each call costs oneDNN's
-# fork and join: fusing brings SmolLM2's step from 211 products to 121). Layers look for the fused
+# Kernels that read the same input, packed side by side as one product (each call costs a wake-up
+# of the team's threads: fusing brings SmolLM2's step from 211 products to 121). Layers look for the fused
 # kernel under fused_name(names) (layers.fused_dense).
 FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))
 
@@ -212,7 +210,7 @@ def split(y: jax.Array, kernel: PackedKernel) -> list[jax.Array]:
 
 
 def pack_params(params, tied_head: bool):
-  """Every 2-D kernel of a model's params packed for oneDNN in its own dtype (float32 or bfloat16),
+  """Every 2-D kernel of a model's params packed for `matmul` in its own dtype (float32 or bfloat16),
   the FUSED groups side by side as one. Embedding tables stay (the lookup gathers rows); with
   `tied_head` (a head that reads the table transposed) each gains a packed transposed copy at HEAD
   beside it; a bfloat16 table is stored as its 16-bit patterns (table_bits). RMSNorm scales become

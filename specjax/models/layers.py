@@ -27,7 +27,7 @@ LOGITS = (axes.BATCH, axes.LENGTH, axes.VOCAB)
 def dense(x: jax.Array, kernel, float32_out: bool = False) -> jax.Array:
   """x[..., in] @ kernel[in, out], summed in float32 and returned in x's dtype (or in float32 with
   `float32_out`): bfloat16 activations keep float32 accumulation (in float32 this is the plain
-  product). A kernel cpu_kernels.pack_params packed runs on oneDNN (in the kernel's dtype)."""
+  product). A kernel cpu_kernels.pack_params packed runs on the CPU kernels (cpu_kernels.matmul)."""
   if isinstance(kernel, cpu_kernels.PackedKernel):
     return cpu_kernels.matmul(x, kernel, jnp.float32 if float32_out else x.dtype)
   product = jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
@@ -36,9 +36,14 @@ def dense(x: jax.Array, kernel, float32_out: bool = False) -> jax.Array:
 
 def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
   """table[tokens]: rows of an embedding table [V, E], or of the 16-bit patterns of a bfloat16 one
-  (uint16, as cpu_kernels.pack_params stores it) returned as bfloat16."""
+  (uint16, as cpu_kernels.pack_params stores it) returned as float32 (exactly): on the CPU kernels
+  a bfloat16 model's residual stream runs in float32, its products rounding their rows to bfloat16
+  themselves, because XLA:CPU's own bfloat16 arithmetic (the adds, activations and rotations between
+  products, each a convert to float32 and back) cost 1/4 of a 17-token verification."""
   rows = jnp.take(table, tokens, axis=0)
-  return jax.lax.bitcast_convert_type(rows, jnp.bfloat16) if table.dtype == jnp.uint16 else rows
+  if table.dtype != jnp.uint16:
+    return rows
+  return jax.lax.bitcast_convert_type(rows, jnp.bfloat16).astype(jnp.float32)
 
 
 def tied_logits(module: nn.Module, x: jax.Array, embedding: jax.Array) -> jax.Array:

@@ -1,0 +1,344 @@
+// Matrix products of a few rows for XLA:CPU, at the memory's speed, each row computed alike whatever
+// the row count.
+//
+// A decode step multiplies 1 row per sequence by every weight, a verification 5-33: the weights'
+// bytes, not the arithmetic, set the cost, so a product should stream each weight once at the
+// memory's speed. XLA:CPU's products of a few rows do not (they cost what they compute), nor did
+// oneDNN's for one row inside a jitted program (15-16 GB/s in float32 where the machine reads 26-30).
+// And speculative decoding is lossless token for token only if a verified token's sums come out bit
+// for bit as its own one-token step's, while libraries pick their kernels (and so the order of a
+// row's sums) by the row count.
+//
+// So: weights are packed once, at load, into panels of 32 columns (float32: [column / 32][k][32];
+// bfloat16: [column / 32][k / 2][32][2], k's pairs side by side), the last panel zero-padded; a
+// product reads each panel as one forward stream, fetched ahead of use; the panels are split between
+// the cores (team.h); a core runs up to 12 rows at once against a panel, holding each row's 32 sums in
+// two vector registers (with more rows the panel goes by in L1-sized chunks, each used by every
+// block of rows). Every row's sum over k runs in the same order (k = 0, 1, ..., one fused
+// multiply-add each, from zero) whatever the row count, the row's place in its block, the number of
+// cores or the panel's owner: a row of a 17-row product is bit for bit that row alone.
+// bfloat16 weights are widened to float32 as they are read (exact); rows against them are bfloat16
+// (float32 rows are rounded to bfloat16 first, to nearest, ties to even, as XLA converts); sums are
+// float32, written as float32 or rounded once to bfloat16.
+//
+// Without AVX-512 (a build for another CPU) the same sums run through std::fma in the same order:
+// equal results, far slower.
+//
+//   specjax_cpu_matmul_packed_bytes(k, n, f32)        bytes of the packed [k, n] weight
+//   specjax_cpu_matmul_pack(src, k, n, f32, dst)      row-major [k, n] -> packed
+//   specjax_cpu_matmul_unpack(src, k, n, f32, dst)    and back
+//   specjax_cpu_matmul_run(x, m, k, n, f32, packed, y) y[m, n] float32 of float32 rows x[m, k]
+//   specjax_cpu_matmul_implementation()               "avx512" or "portable"
+//   SpecjaxCpuMatmul (XLA FFI)                        x[..., k], packed u8 -> y[..., n]
+//       (attribute bfloat16_weights; rows float32 or bfloat16; writes float32 or bfloat16)
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "team.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace {
+
+constexpr int64_t kColumns = 32;  // a panel's width: two 16-lane float32 registers
+constexpr int kRows = 12;         // rows run against a panel at once (24 sums in registers)
+// Weights are fetched this far ahead of their use: the hardware's own prefetcher, on one stream per
+// core, left the product at 16-24 GB/s where the machine reads 26-33 (2-core Xeon, 2026-12).
+constexpr int64_t kAhead = 2048;
+
+int64_t Panels(int64_t n) { return (n + kColumns - 1) / kColumns; }
+
+float Widen(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof value);
+  return value;
+}
+
+uint16_t Narrow(float value) {  // to nearest bfloat16, ties to even; NaN stays NaN
+  uint32_t word;
+  std::memcpy(&word, &value, sizeof word);
+  if ((word & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((word >> 16) | 0x40);
+  word += 0x7fffu + ((word >> 16) & 1u);
+  return static_cast<uint16_t>(word >> 16);
+}
+
+// The packed weight: `depth` rows of a panel (k in float32, k / 2 rounded up in bfloat16 pairs),
+// each 32 columns of 4 bytes (a float32, or a pair of bfloat16).
+int64_t Depth(int64_t k, bool f32) { return f32 ? k : (k + 1) / 2; }
+int64_t PanelBytes(int64_t k, bool f32) { return Depth(k, f32) * kColumns * 4; }
+int64_t PackedBytes(int64_t k, int64_t n, bool f32) { return Panels(n) * PanelBytes(k, f32); }
+
+// R rows x 32 sums over depth rows [begin, end) of one panel, added to sums[R][32] (resume) or
+// from zero. Float32: x[R][stride] against [depth][32]. bfloat16: x as pairs of bfloat16 (k
+// zero-padded to even) against [depth][32][2]; each pair adds its odd product, then its even one
+// (as VDPBF16PS does; a product of two bfloat16 is exact in float32, so each addition rounds once).
+#if defined(__AVX512F__)
+template <int R, bool F32>
+void Block(const void* x_rows, int64_t stride, int64_t begin, int64_t end, const void* panel,
+           float* sums, bool resume) {
+  __m512 low[R], high[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    low[r] = resume ? _mm512_loadu_ps(sums + r * kColumns) : _mm512_setzero_ps();
+    high[r] = resume ? _mm512_loadu_ps(sums + r * kColumns + 16) : _mm512_setzero_ps();
+  }
+  const __m512i odd_bits = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t i = begin; i < end; ++i) {
+    const char* w = static_cast<const char*>(panel) + i * kColumns * 4;
+    _mm_prefetch(w + kAhead, _MM_HINT_T0);
+    _mm_prefetch(w + kAhead + 64, _MM_HINT_T0);
+    if constexpr (F32) {
+      const float* x = static_cast<const float*>(x_rows);
+      const __m512 a = _mm512_loadu_ps(w), b = _mm512_loadu_ps(w + 64);
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        const __m512 s = _mm512_set1_ps(x[r * stride + i]);
+        low[r] = _mm512_fmadd_ps(s, a, low[r]);
+        high[r] = _mm512_fmadd_ps(s, b, high[r]);
+      }
+    } else {
+      const uint32_t* x = static_cast<const uint32_t*>(x_rows);
+      const __m512i a = _mm512_loadu_si512(w), b = _mm512_loadu_si512(w + 64);
+      const __m512 a_even = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+      const __m512 a_odd = _mm512_castsi512_ps(_mm512_and_si512(a, odd_bits));
+      const __m512 b_even = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+      const __m512 b_odd = _mm512_castsi512_ps(_mm512_and_si512(b, odd_bits));
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        const __m512i pair = _mm512_set1_epi32(static_cast<int>(x[r * stride + i]));
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pair, odd_bits));
+        low[r] = _mm512_fmadd_ps(even, a_even, _mm512_fmadd_ps(odd, a_odd, low[r]));
+        high[r] = _mm512_fmadd_ps(even, b_even, _mm512_fmadd_ps(odd, b_odd, high[r]));
+      }
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(sums + r * kColumns, low[r]);
+    _mm512_storeu_ps(sums + r * kColumns + 16, high[r]);
+  }
+}
+constexpr const char* kImplementation = "avx512";
+
+// Sums to bfloat16 as Narrow rounds them, 16 at a time.
+void NarrowRow(const float* from, int64_t count, uint16_t* to) {
+  int64_t c = 0;
+  for (; c + 16 <= count; c += 16) {
+    const __m512i word = _mm512_castps_si512(_mm512_loadu_ps(from + c));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(word, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(word, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(word, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(word, 16),
+                                   _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + c), _mm512_cvtepi32_epi16(rounded));
+  }
+  for (; c < count; ++c) to[c] = Narrow(from[c]);
+}
+#else
+template <int R, bool F32>
+void Block(const void* x_rows, int64_t stride, int64_t begin, int64_t end, const void* panel,
+           float* sums, bool resume) {
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kColumns; ++c) {
+      float sum = resume ? sums[r * kColumns + c] : 0.0f;
+      for (int64_t i = begin; i < end; ++i) {
+        if constexpr (F32) {
+          const float w = static_cast<const float*>(panel)[i * kColumns + c];
+          sum = std::fma(static_cast<const float*>(x_rows)[r * stride + i], w, sum);
+        } else {
+          const uint32_t pair = static_cast<const uint32_t*>(x_rows)[r * stride + i];
+          const uint16_t* w = static_cast<const uint16_t*>(panel) + (i * kColumns + c) * 2;
+          sum = std::fma(Widen(static_cast<uint16_t>(pair >> 16)), Widen(w[1]), sum);
+          sum = std::fma(Widen(static_cast<uint16_t>(pair)), Widen(w[0]), sum);
+        }
+      }
+      sums[r * kColumns + c] = sum;
+    }
+}
+constexpr const char* kImplementation = "portable";
+
+void NarrowRow(const float* from, int64_t count, uint16_t* to) {
+  for (int64_t c = 0; c < count; ++c) to[c] = Narrow(from[c]);
+}
+#endif
+
+// `rows` (1 .. kRows) rows through Block.
+template <bool F32>
+void RunBlock(int rows, const void* x, int64_t stride, int64_t begin, int64_t end,
+              const void* panel, float* sums, bool resume) {
+  using Kernel = void (*)(const void*, int64_t, int64_t, int64_t, const void*, float*, bool);
+  static constexpr Kernel kernels[kRows] = {
+      Block<1, F32>, Block<2, F32>, Block<3, F32>,  Block<4, F32>,  Block<5, F32>,  Block<6, F32>,
+      Block<7, F32>, Block<8, F32>, Block<9, F32>, Block<10, F32>, Block<11, F32>, Block<12, F32>};
+  kernels[rows - 1](x, stride, begin, end, panel, sums, resume);
+}
+
+// Columns [32 p, 32 p + 32) of y[m, n] = x[m, ...] x panel p; y float32 or bfloat16 (out_f32).
+// The rows run in blocks of at most kRows, as even as can be (17 rows: 9 and 8). With more than one
+// block the panel goes by in chunks of kChunk depth rows, each run against every block while it sits
+// in the L1 cache: the weights then stream from memory while all the rows compute, not during the
+// first block only. A row's sums still run over k in order from zero (a chunk resumes them).
+template <bool F32>
+void Panel(const char* x, int64_t m, int64_t depth, int64_t n, const char* panel, int64_t p,
+           void* y, bool out_f32) {
+  constexpr int64_t kChunk = 64;  // 8 KB of weights
+  thread_local std::vector<float> sums;
+  sums.resize(m * kColumns);
+  const int64_t first = p * kColumns, columns = std::min(kColumns, n - first);
+  const int64_t blocks = (m + kRows - 1) / kRows, chunk = blocks == 1 ? depth : kChunk;
+  for (int64_t begin = 0; begin < depth; begin += chunk) {
+    const int64_t end = std::min(depth, begin + chunk);
+    for (int64_t block = 0; block < blocks; ++block) {
+      const int64_t row = m * block / blocks;
+      const int rows = static_cast<int>(m * (block + 1) / blocks - row);
+      RunBlock<F32>(rows, x + row * depth * 4, depth, begin, end, panel, &sums[row * kColumns],
+                    begin > 0);
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    const float* from = &sums[r * kColumns];
+    if (out_f32)
+      std::memcpy(static_cast<float*>(y) + r * n + first, from, columns * 4);
+    else
+      NarrowRow(from, columns, static_cast<uint16_t*>(y) + r * n + first);
+  }
+}
+
+// y[m, n] = x[m, ...] x packed weight, the panels split between the team's threads.
+template <bool F32>
+void Product(const char* x, int64_t m, int64_t k, int64_t n, const char* packed, void* y,
+             bool out_f32) {
+  const int64_t panels = Panels(n), depth = Depth(k, F32), panel_bytes = PanelBytes(k, F32);
+  auto run = [&](int part, int parts) {
+    for (int64_t p = panels * part / parts; p < panels * (part + 1) / parts; ++p)
+      Panel<F32>(x, m, depth, n, packed + p * panel_bytes, p, y, out_f32);
+  };
+  // Small products are not worth waking the other cores.
+  if (m * k * n < (int64_t{1} << 16) || panels == 1)
+    run(0, 1);
+  else
+    specjax::Team::Get().Run(run);
+}
+
+namespace ffi = xla::ffi;
+
+ffi::Error Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::Result<ffi::AnyBuffer> y,
+                  bool bfloat16_weights) {
+  const ffi::DataType in = x.element_type(), out = y->element_type();
+  if (in != ffi::DataType::F32 && in != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("the product reads float32 or bfloat16 rows");
+  if (!bfloat16_weights && (in != ffi::DataType::F32 || out != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("a float32 weight reads and writes float32");
+  if (out != ffi::DataType::F32 && out != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("the product writes float32 or bfloat16");
+  auto dims = x.dimensions();
+  if (dims.size() < 1) return ffi::Error::InvalidArgument("x needs at least one dimension");
+  const int64_t k = dims.back();
+  int64_t m = 1;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) m *= dims[i];
+  const int64_t n = y->dimensions().back();
+  const bool f32 = !bfloat16_weights;
+  if (static_cast<int64_t>(packed.size_bytes()) != PackedBytes(k, n, f32))
+    return ffi::Error::InvalidArgument("packed weight does not match this product's shape");
+  if (m == 0) return ffi::Error::Success();
+  const char* weights = static_cast<const char*>(packed.untyped_data());
+  const char* rows = static_cast<const char*>(x.untyped_data());
+  if (f32) {
+    Product<true>(rows, m, k, n, weights, y->untyped_data(), true);
+    return ffi::Error::Success();
+  }
+  // Rows for bfloat16 weights are read as bfloat16 pairs: float32 rows are rounded here (as XLA's
+  // convert rounds them), and a row of odd length gets a zero to pair its last element with.
+  const int64_t even = k + k % 2;
+  if (in == ffi::DataType::F32 || even != k) {
+    thread_local std::vector<uint16_t> pairs;
+    pairs.assign(m * even, 0);
+    for (int64_t r = 0; r < m; ++r) {
+      if (in == ffi::DataType::F32)
+        NarrowRow(reinterpret_cast<const float*>(rows) + r * k, k, &pairs[r * even]);
+      else
+        std::memcpy(&pairs[r * even], rows + r * k * 2, k * 2);
+    }
+    rows = reinterpret_cast<const char*>(pairs.data());
+  }
+  Product<false>(rows, m, k, n, weights, y->untyped_data(), out == ffi::DataType::F32);
+  return ffi::Error::Success();
+}
+
+// Row-major [k, n] <-> packed: float32 [panel][k][32]; bfloat16 [panel][k / 2][32][2] (element
+// (i, column) at pair i / 2, slot i % 2). Padding (columns past n, the odd k's last pair) is zero.
+template <typename T>
+void Repack(const T* from, int64_t k, int64_t n, T* to, bool pack) {
+  const bool pairs = sizeof(T) == 2;
+  const int64_t depth = pairs ? (k + 1) / 2 : k, per = pairs ? 2 : 1;
+  if (pack) std::memset(to, 0, Panels(n) * depth * kColumns * per * sizeof(T));
+  for (int64_t p = 0; p < Panels(n); ++p)
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t c = 0; c < kColumns && p * kColumns + c < n; ++c) {
+        const int64_t column = p * kColumns + c;
+        const int64_t slot = ((p * depth + i / per) * kColumns + c) * per + i % per;
+        if (pack)
+          to[slot] = from[i * n + column];
+        else
+          to[i * n + column] = from[slot];
+      }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuMatmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("bfloat16_weights"));
+
+extern "C" {
+
+// `f32`: 1 for a float32 weight, 0 for bfloat16.
+int64_t specjax_cpu_matmul_packed_bytes(int64_t k, int64_t n, int f32) {
+  return PackedBytes(k, n, f32 != 0);
+}
+
+int specjax_cpu_matmul_pack(const void* src, int64_t k, int64_t n, int f32, void* dst) {
+  if (f32)
+    Repack(static_cast<const uint32_t*>(src), k, n, static_cast<uint32_t*>(dst), true);
+  else
+    Repack(static_cast<const uint16_t*>(src), k, n, static_cast<uint16_t*>(dst), true);
+  return 0;
+}
+
+int specjax_cpu_matmul_unpack(const void* src, int64_t k, int64_t n, int f32, void* dst) {
+  if (f32)
+    Repack(static_cast<const uint32_t*>(src), k, n, static_cast<uint32_t*>(dst), false);
+  else
+    Repack(static_cast<const uint16_t*>(src), k, n, static_cast<uint16_t*>(dst), false);
+  return 0;
+}
+
+const char* specjax_cpu_matmul_implementation() { return kImplementation; }
+
+// The product outside XLA (tests compare builds with it): float32 rows, float32 out.
+void specjax_cpu_matmul_run(const float* x, int64_t m, int64_t k, int64_t n, int f32,
+                            const void* packed, float* y) {
+  const char* weights = static_cast<const char*>(packed);
+  if (f32) return Product<true>(reinterpret_cast<const char*>(x), m, k, n, weights, y, true);
+  const int64_t even = k + k % 2;
+  std::vector<uint16_t> pairs(m * even, 0);
+  for (int64_t r = 0; r < m; ++r) NarrowRow(x + r * k, k, &pairs[r * even]);
+  Product<false>(reinterpret_cast<const char*>(pairs.data()), m, k, n, weights, y, true);
+}
+
+}  // extern "C"
