@@ -28,7 +28,7 @@ import numpy as np
 
 import common
 import roofline
-from specjax import loading, models, timing
+from specjax import loading, timing
 from specjax.decoding import autoregressive, core
 from specjax.drafters import expansion, lookup
 from specjax.drafters.model import ModelDrafter
@@ -97,9 +97,7 @@ def main():
   meta = {"machine": roofline.cpu_description(), "cpus": os.cpu_count(), "jax": jax.__version__,
           "repeats": args.repeats, "rounds": args.rounds, "prompt_keys": keys,
           "token_agreement_with_float32": agree,
-          "onednn": ({name: cpu_kernels.implementation(dtype=models.DTYPES[dtype_name])
-                      for name, dtype_name, kernels in variants if kernels == "cpu"}
-                     if cpu_kernels.available() else None)}
+          "cpu_kernels": cpu_kernels.implementation() if cpu_kernels.available() else None}
   lines = [f"{datetime.date.today()}, {meta['machine']}, {meta['cpus']} cores: "
            f"`python benchmarks/dtypes.py {' '.join(sys.argv[1:])}`", "",
            "SmolLM2-135M, batch 1 after 128 tokens: the target's step on T tokens (median of "
@@ -120,8 +118,8 @@ def main():
             for c in checks]
   lines += [f"- {name}: the same tokens as {names[0]} at {100 * share:.0f} % of positions"
             for name, share in agree.items()]
-  for name, kernel in (meta["onednn"] or {}).items():
-    lines.append(f"- {name}: oneDNN's kernel on this CPU: {kernel}")
+  if meta["cpu_kernels"]:
+    lines.append(f"- the CPU kernels' products on this CPU: {meta['cpu_kernels']}")
   markdown = "\n".join(lines)
   common.write_results("dtypes", {"steps": steps, "greedy": checks}, markdown, meta)
   print(markdown)

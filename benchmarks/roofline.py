@@ -7,8 +7,8 @@
    faster of the two (no step reads faster than the machine can).
 2. Matrix throughput by rows M: the target's weight shape streamed the way a step streams it, 90
    products of [M, 576] x [576, 1536] with 90 distinct weight matrices (as many bytes as SmolLM2's
-   blocks read), in float32 and bfloat16, through XLA, through torch (oneDNN; the best library on
-   this machine) and through specjax's CPU kernels inside a jitted program (ModelSpec.kernels =
+   blocks read), in float32 and bfloat16, through XLA, through torch (MKL / oneDNN; the best library
+   on this machine) and through specjax's CPU kernels inside a jitted program (ModelSpec.kernels =
    "cpu", when scripts/build_cpu_kernels.sh has built them): GFLOP/s, and the time of the 90
    products.
 3. The ridge point (peak FLOP/s over bytes/s) of each path.
@@ -59,9 +59,11 @@ def xla_matmul_seconds(rows: int, dtype: str, repeats: int) -> float:
   return timing.median_seconds(lambda: run(x, weights).block_until_ready(), repeats)[0]
 
 
-def onednn_matmul_seconds(rows: int, dtype: str, repeats: int) -> float | None:
-  """The same products through specjax's CPU kernels (models/cpu_kernels.py: oneDNN) on weights
-  packed once, unrolled as a step's layers are; None when the library is not built."""
+def cpu_kernels_matmul_seconds(rows: int, dtype: str, repeats: int) -> float | None:
+  """The same products through specjax's CPU kernels (models/cpu_kernels.py, csrc/matmul.cc) on
+  weights packed once, unrolled and each reading the last one's output as a step's layers do (XLA
+  would otherwise run independent calls side by side, which a step never does); None when the
+  library is not built."""
   if not cpu_kernels.available():
     return None
   rng = np.random.default_rng(0)
@@ -71,10 +73,10 @@ def onednn_matmul_seconds(rows: int, dtype: str, repeats: int) -> float | None:
 
   @jax.jit
   def run(x, weights):
-    total = jnp.float32(0.0)
+    y = jnp.zeros((rows, OUT), jnp.float32)
     for kernel in weights:
-      total = total + jnp.sum(cpu_kernels.matmul(x, kernel))
-    return total
+      y = cpu_kernels.matmul(x + (1e-3 * y[:, :IN]).astype(x.dtype), kernel)
+    return y
   return timing.median_seconds(lambda: run(x, weights).block_until_ready(), repeats)[0]
 
 
@@ -169,27 +171,27 @@ def main():
       flops = 2 * PRODUCTS * m * IN * OUT
       xla = xla_matmul_seconds(m, dtype, args.repeats)
       lib = None if peer is None else peer[f"{dtype}/{m}"]
-      ours = onednn_matmul_seconds(m, dtype, args.repeats)
+      ours = cpu_kernels_matmul_seconds(m, dtype, args.repeats)
       matmul.append({"dtype": dtype, "rows": m, "xla_ms": 1000 * xla, "xla_gflops": flops / xla / 1e9,
                      "library_ms": None if lib is None else 1000 * lib,
                      "library_gflops": None if lib is None else flops / lib / 1e9,
-                     "onednn_ms": None if ours is None else 1000 * ours,
-                     "onednn_gflops": None if ours is None else flops / ours / 1e9})
+                     "cpu_kernels_ms": None if ours is None else 1000 * ours,
+                     "cpu_kernels_gflops": None if ours is None else flops / ours / 1e9})
   weight_bytes = PRODUCTS * IN * OUT
   ridge = {}
   best_bandwidth = max(bandwidth, peer["bandwidth_gbps"] if peer else 0.0)
   for dtype in DTYPES:
     size = jnp.dtype(dtype).itemsize
     peak = {path: max(r[f"{path}_gflops"] or 0 for r in matmul if r["dtype"] == dtype)
-            for path in ("xla", "library", "onednn")}
+            for path in ("xla", "library", "cpu_kernels")}
     ridge[dtype] = {"xla": peak["xla"] / bandwidth,
                     "library": peak["library"] / peer["bandwidth_gbps"] if peer else np.nan,
-                    "onednn": peak["onednn"] / best_bandwidth}
+                    "cpu_kernels": peak["cpu_kernels"] / best_bandwidth}
     ridge[dtype]["bytes_per_product_set"] = weight_bytes * size
 
   # The machine's best throughput per dtype, at any row count and through any path: no step computes
   # faster than that, nor reads faster than the best bandwidth.
-  peak = {dtype: max(max(r["library_gflops"] or 0, r["xla_gflops"], r["onednn_gflops"] or 0)
+  peak = {dtype: max(max(r["library_gflops"] or 0, r["xla_gflops"], r["cpu_kernels_gflops"] or 0)
                      for r in matmul if r["dtype"] == dtype) for dtype in DTYPES}
 
   target = loading.load_model()
@@ -238,10 +240,10 @@ def main():
   for r in matmul:
     lines.append(f"| {r['dtype']} | {r['rows']} | {r['xla_ms']:.1f} | {r['xla_gflops']:.0f} | "
                  f"{fmt(r['library_ms'], '{:.1f}')} | {fmt(r['library_gflops'], '{:.0f}')} | "
-                 f"{fmt(r['onednn_ms'], '{:.1f}')} | {fmt(r['onednn_gflops'], '{:.0f}')} |")
+                 f"{fmt(r['cpu_kernels_ms'], '{:.1f}')} | {fmt(r['cpu_kernels_gflops'], '{:.0f}')} |")
   lines += ["", "Ridge points (peak FLOP/s over read bytes/s): " + "; ".join(
       f"{d} XLA {ridge[d]['xla']:.1f}, torch {ridge[d]['library']:.1f}, CPU kernels "
-      f"{ridge[d]['onednn']:.1f} FLOP/byte" for d in DTYPES),
+      f"{ridge[d]['cpu_kernels']:.1f} FLOP/byte" for d in DTYPES),
       "", f"SmolLM2-135M, batch 1 after {args.prompt} tokens: the forward on T tokens against its "
       "floor", "", "| variant | T | step ms | floor ms | v(T) | v floor | step / floor |",
       "|---|---|---|---|---|---|---|"]

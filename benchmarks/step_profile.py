@@ -1,15 +1,15 @@
 """Where the milliseconds of a decode go, by the specjax function that wrote the operations.
 
-    .venv/bin/python benchmarks/step_profile.py [--variants float32,bfloat16-onednn] [--repeats 5]
-        [--new_tokens 32] [--gamma 4]
+    .venv/bin/python benchmarks/step_profile.py [--variants float32,float32-cpu,bfloat16-cpu]
+        [--repeats 5] [--new_tokens 32] [--gamma 4]
 
-For each variant (float32 through XLA; bfloat16 with ModelSpec.matmul = "onednn" when
-scripts/build_cpu_kernels.sh has built it) and SmolLM2-135M at batch 1 on one held-out HumanEval
+For each variant (float32 through XLA; float32 or bfloat16 on specjax's CPU kernels,
+ModelSpec.kernels = "cpu", when scripts/build_cpu_kernels.sh has built them) and SmolLM2-135M at batch 1 on one held-out HumanEval
 prompt, two programs are profiled with jax.profiler: the autoregressive decode of `--new_tokens`
 tokens, and the speculative decode of the same tokens with prompt lookup as a chain of `--gamma` (the
 loop: draft, verify on gamma + 1 tokens, accept). Every operation XLA ran is charged to the part of
 the decode JAX named it after (the flax module path with the layer number dropped, or the jitted
-helper, and the primitive: `layers_*/mlp/ffi_call` is the MLPs' oneDNN products, `layers_*/attn/
+helper, and the primitive: `layers_*/mlp/ffi_call` is the MLPs' products on the CPU kernels, `layers_*/attn/
 dot_general` XLA's products in attention, `layers_*/attn/scatter` the cache writes), and the time per
 target call is reported by part; an operation the compiled program leaves unnamed (XLA's own
 products often are) is reported by its kind, e.g. `(dot, unnamed)`.
@@ -49,7 +49,7 @@ _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 def label(op_name: str) -> str:
   """The part of a decode an operation belongs to, from the name JAX gave it: the flax module path
   (layer numbers dropped: all 30 blocks add up) or the jitted helper, then the primitive, e.g.
-  `layers_*/attn/dot_general`, `layers_*/mlp/ffi_call` (the oneDNN products), `jit(sample_with_uniform)/...`."""
+  `layers_*/attn/dot_general`, `layers_*/mlp/ffi_call` (the CPU kernels' products), `jit(sample_with_uniform)/...`."""
   parts = op_name.split("/")
   if parts and parts[0].startswith("jit("):
     parts = parts[1:]  # the outer program
@@ -99,7 +99,7 @@ def profile(compiled, args, repeats: int) -> dict[str, float]:
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--variants", default="float32,bfloat16-onednn")
+  parser.add_argument("--variants", default="float32,float32-cpu,bfloat16-cpu")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--new_tokens", type=int, default=32)
   parser.add_argument("--gamma", type=int, default=4)

@@ -25,9 +25,9 @@ class ModelSpec:
   (None keeps the fingerprints of runs written before the setting existed). A plan compiles at it
   too.
   kernels: what runs a decode's matrix products and attention: "xla" (XLA's own, on any backend;
-  None is "xla") or "cpu" (specjax's CPU kernels, models/cpu_kernels.py: oneDNN products on weights
-  packed once at load, the cores' matrix units in bfloat16, and attention and RMSNorm whose sums
-  run in one fixed order; needs `bash scripts/build_cpu_kernels.sh`, which scripts/setup.sh runs, JAX on the
+  None is "xla") or "cpu" (specjax's CPU kernels, models/cpu_kernels.py: products that stream weights
+  packed once at load at the memory's speed, and attention and RMSNorm, each summing in one fixed
+  order; needs `bash scripts/build_cpu_kernels.sh`, which scripts/setup.sh runs, JAX on the
   CPU and one device). Speculative output equals the target's own at the same dtype and kernels in
   distribution on both; greedy output token for token is guaranteed on "cpu", where every token is
   computed bit for bit alike however many share a target call. On "xla" a token's last bits depend

@@ -62,7 +62,7 @@ def load_model_draft(path: str, target_config, mesh: Mesh | None = None, dtype=j
                      packed: bool = False) -> tuple[ModelDrafter, Any]:
   """The draft checkpoint at `path` (.gguf, a Hugging Face directory, a T5X checkpoint) for a target
   of `target_config`'s vocabulary -> (ModelDrafter, params on the device(s) in `dtype`, packed for
-  oneDNN with `packed`)."""
+  the CPU kernels with `packed`)."""
   draft_config, draft_params = checkpoints.load(path)
   if draft_config.vocab_size != target_config.vocab_size:
     raise ValueError(f"vocabulary sizes differ: the target has {target_config.vocab_size} tokens, "
@@ -84,7 +84,7 @@ def truncated_draft(target_config, target_params, num_layers: int, mesh: Mesh | 
 def placed(config, params, mesh: Mesh | None, dtype=jnp.float32, packed: bool = False
            ) -> tuple[ModelDrafter, Any]:
   """A model draft decoding in `dtype` with its params on the device(s): sharded on `mesh` when
-  given; with `packed` (a target whose products run on oneDNN) its kernels packed the same way."""
+  given; with `packed` (a target whose products run on the CPU kernels) its kernels packed the same way."""
   params = models.cast(params, dtype)
   if cpu_kernels.is_packed(params):  # a truncated packed target
     packed = True
