@@ -217,9 +217,9 @@ void Block(const Operands& o, int64_t b, int64_t g, int64_t r0, int64_t lo, int6
   }
 }
 
-ffi::Error Attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
-                     ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::PRED> visible,
-                     ffi::Buffer<ffi::F32> bias, float scale, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error Compute(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                   ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::PRED> visible,
+                   ffi::Buffer<ffi::F32> bias, float scale, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = keys.dimensions(), md = visible.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || md.size() != 3)
     return ffi::Error::InvalidArgument("q[B, T, H, D], keys / values[B, S, KV, D], visible[B, T, S]");
@@ -271,6 +271,18 @@ ffi::Error Attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
   else
     run(0, 1);
   return ffi::Error::Success();
+}
+
+// No exception may cross the FFI boundary (a thread's vector can fail to grow).
+ffi::Error Attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                     ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::PRED> visible,
+                     ffi::Buffer<ffi::F32> bias, float scale, ffi::ResultBuffer<ffi::F32> out) {
+  try {
+    specjax::FlushDenormals flush;
+    return Compute(q, keys, values, visible, bias, scale, out);
+  } catch (const std::exception& error) {
+    return ffi::Error::Internal(error.what());
+  }
 }
 
 ffi::Error CacheWrite(ffi::Buffer<ffi::F32> keys_in, ffi::Buffer<ffi::F32> values_in,

@@ -18,7 +18,7 @@
 // multiply-add each, from zero) whatever the row count, the row's place in its block, the number of
 // cores or the panel's owner: a row of a 17-row product is bit for bit that row alone.
 // bfloat16 weights are widened to float32 as they are read (exact); rows against them are bfloat16
-// (float32 rows are rounded to bfloat16 first, to nearest, ties to even, as XLA converts); sums are
+// (float32 rows are rounded to bfloat16 first, to nearest, ties to even, subnormals kept); sums are
 // float32, written as float32 or rounded once to bfloat16.
 //
 // Without AVX-512 (a build for another CPU) the same sums run through std::fma in the same order:
@@ -39,7 +39,7 @@
 #include <mutex>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -146,6 +146,54 @@ void NarrowRow(const float* from, int64_t count, uint16_t* to) {
   }
   for (; c < count; ++c) to[c] = Narrow(from[c]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 holds a row's 32 sums in four 8-lane registers, so two rows fit the 16 registers at once:
+// the block's rows go by in pairs, each pair over the whole range (the range's weights, at most a
+// chunk or one panel, come from the cache after the first pair). Same sums in the same order.
+template <int R, bool F32>
+void Block(const void* x_rows, int64_t stride, int64_t begin, int64_t end, const void* panel,
+           float* sums, bool resume) {
+  const __m256i odd_bits = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int r0 = 0; r0 < R; r0 += 2) {
+    const int rows = R - r0 < 2 ? 1 : 2;
+    __m256 acc[2][4];
+    for (int r = 0; r < 2; ++r)
+      for (int j = 0; j < 4; ++j)
+        acc[r][j] = resume && r < rows ? _mm256_loadu_ps(sums + (r0 + r) * kColumns + 8 * j)
+                                       : _mm256_setzero_ps();
+    for (int64_t i = begin; i < end; ++i) {
+      const char* w = static_cast<const char*>(panel) + i * kColumns * 4;
+      _mm_prefetch(w + kAhead, _MM_HINT_T0);
+      _mm_prefetch(w + kAhead + 64, _MM_HINT_T0);
+      for (int r = 0; r < rows; ++r) {
+        if constexpr (F32) {
+          const __m256 s = _mm256_set1_ps(static_cast<const float*>(x_rows)[(r0 + r) * stride + i]);
+          for (int j = 0; j < 4; ++j)
+            acc[r][j] = _mm256_fmadd_ps(s, _mm256_loadu_ps(reinterpret_cast<const float*>(w) + 8 * j),
+                                        acc[r][j]);
+        } else {
+          const __m256i pair = _mm256_set1_epi32(
+              static_cast<int>(static_cast<const uint32_t*>(x_rows)[(r0 + r) * stride + i]));
+          const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+          const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pair, odd_bits));
+          for (int j = 0; j < 4; ++j) {
+            const __m256i ws = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+            const __m256 w_even = _mm256_castsi256_ps(_mm256_slli_epi32(ws, 16));
+            const __m256 w_odd = _mm256_castsi256_ps(_mm256_and_si256(ws, odd_bits));
+            acc[r][j] = _mm256_fmadd_ps(even, w_even, _mm256_fmadd_ps(odd, w_odd, acc[r][j]));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(sums + (r0 + r) * kColumns + 8 * j, acc[r][j]);
+  }
+}
+constexpr const char* kImplementation = "avx2";
+
+void NarrowRow(const float* from, int64_t count, uint16_t* to) {
+  for (int64_t c = 0; c < count; ++c) to[c] = Narrow(from[c]);
+}
 #else
 template <int R, bool F32>
 void Block(const void* x_rows, int64_t stride, int64_t begin, int64_t end, const void* panel,
@@ -234,8 +282,8 @@ void Product(const char* x, int64_t m, int64_t k, int64_t n, const char* packed,
 
 namespace ffi = xla::ffi;
 
-ffi::Error Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::Result<ffi::AnyBuffer> y,
-                  bool bfloat16_weights) {
+ffi::Error Compute(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::Result<ffi::AnyBuffer> y,
+                   bool bfloat16_weights) {
   const ffi::DataType in = x.element_type(), out = y->element_type();
   if (in != ffi::DataType::F32 && in != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("the product reads float32 or bfloat16 rows");
@@ -248,7 +296,10 @@ ffi::Error Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::Result<ffi
   const int64_t k = dims.back();
   int64_t m = 1;
   for (size_t i = 0; i + 1 < dims.size(); ++i) m *= dims[i];
-  const int64_t n = y->dimensions().back();
+  auto out_dims = y->dimensions();
+  if (out_dims.size() < 1 || static_cast<int64_t>(y->element_count()) != m * out_dims.back())
+    return ffi::Error::InvalidArgument("y must hold x's rows, each of the product's columns");
+  const int64_t n = out_dims.back();
   const bool f32 = !bfloat16_weights;
   if (static_cast<int64_t>(packed.size_bytes()) != PackedBytes(k, n, f32))
     return ffi::Error::InvalidArgument("packed weight does not match this product's shape");
@@ -275,6 +326,17 @@ ffi::Error Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::Result<ffi
   }
   Product<false>(rows, m, k, n, weights, y->untyped_data(), out == ffi::DataType::F32);
   return ffi::Error::Success();
+}
+
+// No exception may cross the FFI boundary (a thread's vector can fail to grow).
+ffi::Error Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::Result<ffi::AnyBuffer> y,
+                  bool bfloat16_weights) {
+  try {
+    specjax::FlushDenormals flush;
+    return Compute(x, packed, y, bfloat16_weights);
+  } catch (const std::exception& error) {
+    return ffi::Error::Internal(error.what());
+  }
 }
 
 // Row-major [k, n] <-> packed: float32 [panel][k][32]; bfloat16 [panel][k / 2][32][2] (element
@@ -330,9 +392,13 @@ int specjax_cpu_matmul_unpack(const void* src, int64_t k, int64_t n, int f32, vo
 
 const char* specjax_cpu_matmul_implementation() { return kImplementation; }
 
+// The threads a product runs on (the team's size; tests check SPECJAX_CPU_THREADS took).
+int specjax_cpu_threads() { return specjax::Team::Get().size(); }
+
 // The product outside XLA (tests compare builds with it): float32 rows, float32 out.
 void specjax_cpu_matmul_run(const float* x, int64_t m, int64_t k, int64_t n, int f32,
                             const void* packed, float* y) {
+  specjax::FlushDenormals flush;
   const char* weights = static_cast<const char*>(packed);
   if (f32) return Product<true>(reinterpret_cast<const char*>(x), m, k, n, weights, y, true);
   const int64_t even = k + k % 2;

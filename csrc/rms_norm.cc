@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "team.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace {
@@ -32,6 +33,7 @@ inline Vec Load(const float* p) {
 
 ffi::Error RmsNorm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> scale, float eps,
                    ffi::ResultBuffer<ffi::F32> out) {
+  specjax::FlushDenormals flush;
   auto dims = x.dimensions();
   if (dims.size() < 1 || scale.dimensions().size() != 1 || scale.dimensions()[0] != dims.back())
     return ffi::Error::InvalidArgument("x[..., E] and scale[E]");

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import os
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +41,10 @@ def _name(dtype) -> str:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 @pytest.mark.parametrize("shape,rows", [((64, 128), (1,)), ((100, 37), (2, 3)), ((576, 1536), (5,)),
-                                        ((7, 70), (11,)), ((33, 1), (9,))])
+                                        ((7, 70), (11,)), ((33, 1), (9,)), ((70, 45), (25,))])
 def test_products_equal_xlas_to_float32_rounding(shape, rows, dtype):
   """x[..., k] x kernel[k, n] on the CPU kernels against XLA's product summed in float32, odd shapes
-  included (the last panel of 32 columns is zero-padded; row counts past one block of 8), and the
+  included (the last panel of 32 columns is zero-padded; 25 rows run as three blocks), and the
   packed kernel unpacks to itself."""
   rng = np.random.RandomState(0)
   kernel = jnp.asarray(rng.standard_normal(shape), dtype)
@@ -65,8 +66,8 @@ def test_products_equal_xlas_to_float32_rounding(shape, rows, dtype):
 def test_every_row_of_a_product_is_computed_alike_whatever_the_row_count(shape, dtype):
   """SmolLM2's product shapes (fused q / k / v, fused gate / up, down, the tied head) and a tiny one:
   rows computed 1, 2, ... 20, 33 or 64 at a time, from any offset, equal the same rows of one
-  256-row product bit for bit (a row's sums run in one order whatever its block of 8 rows, its
-  place in it, or which core owns its columns)."""
+  256-row product bit for bit (a row's sums run in one order whatever its block of up to 12 rows,
+  its place in it, or which core owns its columns)."""
   rng = np.random.RandomState(1)
   packed = cpu_kernels.pack(jnp.asarray(rng.standard_normal(shape) * 0.05, dtype), dtype)
   x = jnp.asarray(rng.standard_normal((256, shape[0])), dtype)
@@ -78,64 +79,92 @@ def test_every_row_of_a_product_is_computed_alike_whatever_the_row_count(shape, 
                                     whole[start:start + rows], err_msg=f"{rows} rows from {start}")
 
 
-def _build_portable(directory) -> ctypes.CDLL:
-  """csrc/matmul.cc built without AVX-512 (its std::fma path), as a library of its own."""
+def _build(directory, march: str) -> str:
+  """csrc/matmul.cc built for another CPU (`-march`), as a library of its own: x86-64-v3 takes its
+  AVX2 path, x86-64-v2 its portable std::fma one."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  library = os.path.join(directory, "libportable.so")
-  subprocess.run(["g++", "-O2", "-march=x86-64-v3", "-ffp-contract=off", "-std=c++17", "-fPIC",
+  library = os.path.join(directory, f"lib{march}.so")
+  subprocess.run(["g++", "-O2", f"-march={march}", "-ffp-contract=off", "-std=c++17", "-fPIC",
                   "-shared", "-pthread", "-w", os.path.join(root, "csrc", "matmul.cc"), "-o", library,
                   f"-I{jax.ffi.include_dir()}"], check=True)
-  return ctypes.CDLL(library)
+  return library
 
 
-def _run(lib, x, packed: cpu_kernels.PackedKernel) -> np.ndarray:
-  k, n = packed.shape
+def _run(lib, x, k, n, data, f32) -> np.ndarray:
   x = np.ascontiguousarray(x, np.float32)
-  data = np.ascontiguousarray(np.asarray(packed.data))
   y = np.empty((x.shape[0], n), np.float32)
+  lib.specjax_cpu_matmul_run.restype = None
   lib.specjax_cpu_matmul_run(x.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(x.shape[0]),
-                             ctypes.c_int64(k), ctypes.c_int64(n),
-                             ctypes.c_int(int(packed.dtype == "float32")),
+                             ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_int(int(f32)),
                              data.ctypes.data_as(ctypes.c_void_p), y.ctypes.data_as(ctypes.c_void_p))
   return y
 
 
-def test_the_portable_build_and_any_thread_count_compute_the_same_bits(tmp_path, monkeypatch):
-  """The vector code (this machine's build, on 2 threads or however many cores there are) against
-  the same file built without AVX-512 and run on 3 threads (another split of the panels): every
-  float32 and bfloat16 product, odd shapes and 1-40 rows included, equal bit for bit. Both sum each
-  row over k in one order from zero with one rounding per step, and a panel's owner changes nothing."""
+# Runs in a process of its own, so that its team of threads is sized by SPECJAX_CPU_THREADS (one
+# team per process, shared by every build of the kernels loaded into it).
+_OTHER_BUILD_RUN = """
+import ctypes, sys
+import numpy as np
+sys.path.insert(0, sys.argv[3])
+import test_cpu_kernels as tests
+lib = ctypes.CDLL(sys.argv[1])
+lib.specjax_cpu_matmul_implementation.restype = ctypes.c_char_p
+cases = np.load(sys.argv[2])
+out = {"threads": np.array(lib.specjax_cpu_threads()),
+       "implementation": np.array(lib.specjax_cpu_matmul_implementation().decode())}
+for name in sorted({key.split("/")[0] for key in cases.files}):
+  k, n, f32 = (int(v) for v in cases[name + "/knf"])
+  out[name] = tests._run(lib, cases[name + "/x"], k, n, cases[name + "/data"], f32)
+np.savez(sys.argv[1] + ".out.npz", **out)
+"""
+
+
+def test_the_avx2_and_portable_builds_and_another_thread_count_compute_the_same_bits(tmp_path):
+  """The vector code (this machine's build, in this process: a thread per core) against the same
+  file built for AVX2 and built without vector code, each run on 3 threads in a process of its own
+  (another split of the panels): every float32 and bfloat16 product, odd shapes, subnormal inputs
+  (flushed alike) and 1-40 rows included, equal bit for bit. All sum each row over k in one order
+  from zero with one rounding per step, and a panel's owner changes nothing."""
   vector = cpu_kernels.require()
-  monkeypatch.setenv("SPECJAX_CPU_THREADS", "3")
-  portable = _build_portable(str(tmp_path))
-  for lib in (vector, portable):
-    lib.specjax_cpu_matmul_run.restype = None
-  assert portable.specjax_cpu_matmul_implementation
   rng = np.random.RandomState(3)
+  cases, expected = {}, {}
   for dtype in DTYPES:
     for (k, n), rows in [((576, 960), 17), ((1536, 576), 5), ((33, 70), 40), ((7, 1), 1),
                          ((64, 4096), 3)]:
+      name = f"{jnp.dtype(dtype).name}-{rows}x{k}x{n}"
       packed = cpu_kernels.pack(jnp.asarray(rng.standard_normal((k, n)) * 0.1, dtype), dtype)
       x = rng.standard_normal((rows, k)).astype(np.float32)
-      x[0, :3] = [1e-39, -3e-40, 0.0]  # subnormal rows (no flushing outside XLA)
-      np.testing.assert_array_equal(_run(portable, x, packed), _run(vector, x, packed),
-                                    err_msg=f"{jnp.dtype(dtype).name} [{rows}, {k}] x [{k}, {n}]")
+      x[0, :3] = [1e-39, -3e-40, 0.0]
+      data, f32 = np.ascontiguousarray(np.asarray(packed.data)), packed.dtype == "float32"
+      cases.update({name + "/x": x, name + "/data": data, name + "/knf": np.array([k, n, f32])})
+      expected[name] = _run(vector, x, k, n, data, f32)
+  np.savez(tmp_path / "cases.npz", **cases)
+  for march, implementation in (("x86-64-v3", "avx2"), ("x86-64-v2", "portable")):
+    library = _build(str(tmp_path), march)
+    subprocess.run([sys.executable, "-c", _OTHER_BUILD_RUN, library, str(tmp_path / "cases.npz"),
+                    os.path.dirname(os.path.abspath(__file__))],
+                   check=True, env={**os.environ, "SPECJAX_CPU_THREADS": "3"})
+    got = np.load(library + ".out.npz")
+    assert (int(got["threads"]), str(got["implementation"])) == (3, implementation)
+    for name, ours in expected.items():
+      np.testing.assert_array_equal(got[name], ours, err_msg=f"{march}: {name}")
 
 
 def test_products_run_alone_when_xla_runs_them_concurrently():
-  """16 independent products in one program (XLA may run them at once, from several threads, and
-  they share one team of worker threads): every one equals XLA's, in each of 100 runs. The calls
-  take turns on the team, so the results are deterministic and this test cannot fail by chance."""
+  """16 independent products in one program, each large enough to be split between the team's
+  threads (XLA may run them at once, from several threads, and they share one team): every one
+  equals the same product run alone, bit for bit, in each of 50 runs. The calls take turns on the
+  team, so the results are deterministic and this test cannot fail by chance."""
   rng = np.random.RandomState(1)
-  kernels = [jnp.asarray(rng.standard_normal((64, 96)), BF16) for _ in range(16)]
+  kernels = [jnp.asarray(rng.standard_normal((576, 96)), BF16) for _ in range(16)]
   packed = [cpu_kernels.pack(kernel) for kernel in kernels]
-  x = jnp.asarray(rng.standard_normal((3, 64)), BF16)
-  products = jax.jit(lambda x, ks: [cpu_kernels.matmul(x * (i + 1), k) for i, k in enumerate(ks)])
-  expected = [np.asarray(jnp.matmul(x * (i + 1), k, preferred_element_type=jnp.float32))
-              for i, k in enumerate(kernels)]
-  for _ in range(100):
-    for ours, theirs in zip(products(x, packed), expected):
-      np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-5, atol=1e-3)
+  rows = [jnp.asarray(rng.standard_normal((3, 576)), BF16) for _ in range(16)]
+  alone = jax.jit(cpu_kernels.matmul)
+  expected = [np.asarray(alone(x, k)) for x, k in zip(rows, packed)]
+  products = jax.jit(lambda xs, ks: [cpu_kernels.matmul(x, k) for x, k in zip(xs, ks)])
+  for _ in range(50):
+    for ours, theirs in zip(products(rows, packed), expected):
+      np.testing.assert_array_equal(np.asarray(ours), theirs)
 
 
 # ---- attention and the cache write ------------------------------------------------------------------

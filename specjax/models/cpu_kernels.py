@@ -138,8 +138,8 @@ def unpack(kernel: PackedKernel) -> jax.Array:
 
 def matmul(x: jax.Array, kernel: PackedKernel, out_dtype=jnp.float32) -> jax.Array:
   """x[..., in] x kernel -> [..., out] in `out_dtype`, summed in float32. A float32 kernel reads
-  and writes float32; a bfloat16 one reads x as bfloat16 (float32 rows are rounded in the call, as
-  XLA's convert rounds them) and writes float32 or bfloat16."""
+  and writes float32; a bfloat16 one reads x as bfloat16 (float32 rows are rounded in the call, to
+  nearest, ties to even, subnormals kept) and writes float32 or bfloat16."""
   k, n = kernel.shape
   if x.shape[-1] != k:
     raise ValueError(f"x[..., {x.shape[-1]}] against a packed [{k}, {n}] kernel")
