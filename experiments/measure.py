@@ -199,25 +199,32 @@ def paired_decode_seconds(*sides) -> list[tuple[float, dict]]:
   and all get ONE method. The loop's cost per iteration fitted over the prompts (timing.loop_seconds)
   where every side has MIN_FIT_PROMPTS prompts whose iteration counts spread, a fitted fixed cost
   >= 0 and a per-iteration cost the fit pins down (see loop_seconds); else each total less its
-  start (timed apart). A ratio of a fit and a subtraction misled: 4 prompts of one pass fitted
+  start (timed apart), or, where that is not positive on some side, each whole total. A ratio of a fit and a subtraction misled: 4 prompts of one pass fitted
   fixed costs of -616 to 1,119 ms per prompt where the prefill took 264 ms."""
   fits = [timing.loop_seconds(seconds, [int(np.asarray(o.target_calls)) for o in outs])
           if len(outs) >= MIN_FIT_PROMPTS else None for seconds, outs, _, _ in sides]
   by_fit = all(fit is not None and fit[1] >= 0 for fit in fits)
-  results = []
-  for (seconds, outs, tokens, start_seconds), fit in zip(sides, fits):
-    decoded = max(tokens - len(outs), 1)
-    if by_fit:
-      per_iteration, fixed = fit
+  if by_fit:
+    results = []
+    for (seconds, outs, tokens, _), (per_iteration, fixed) in zip(sides, fits):
       iterations = sum(int(np.asarray(o.target_calls)) for o in outs)
-      results.append((per_iteration * iterations / decoded, {
+      results.append((per_iteration * iterations / max(tokens - len(outs), 1), {
           "method": "fit over prompts", "fixed_ms_per_prompt": 1000 * fixed,
           "ms_per_iteration": 1000 * per_iteration}))
-    else:
-      start_s = start_seconds()
-      results.append(((float(np.sum(seconds)) - len(outs) * start_s) / decoded, {
-          "method": "prefill subtracted", "fixed_ms_per_prompt": 1000 * start_s}))
-  return results
+    return results
+  starts = [start_seconds() for *_, start_seconds in sides]
+  decode = [float(np.sum(seconds)) - len(outs) * start_s
+            for (seconds, outs, _, _), start_s in zip(sides, starts)]
+  if all(seconds > 0 for seconds in decode):
+    return [(seconds / max(tokens - len(outs), 1), {
+        "method": "prefill subtracted", "fixed_ms_per_prompt": 1000 * start_s})
+        for seconds, (_, outs, tokens, _), start_s in zip(decode, sides, starts)]
+  # A start timed apart that outlasts a whole decode (tiny models on a busy machine) would make a
+  # negative time: every side then counts its whole decode, prefill included.
+  return [(float(np.sum(seconds)) / max(tokens, 1), {
+      "method": "whole decode (the start timed apart outlasted a decode)",
+      "fixed_ms_per_prompt": 1000 * start_s})
+      for (seconds, _, tokens, _), start_s in zip(sides, starts)]
 
 
 def in_turn(repeats: int, *runs, names: tuple[str, ...] = ()) -> list[list]:

@@ -498,6 +498,13 @@ def test_paired_decode_seconds_uses_one_method_for_both_sides():
            prefill)
   results = measure.paired_decode_seconds(side(spread, 0.3, 0.04, 1), noisy)
   assert [how["method"] for _, how in results] == ["prefill subtracted"] * 2
+  # A start timed apart that outlasts one side's whole decode (a tiny model on a busy machine):
+  # both sides count their whole decode, never a negative time.
+  slow_start = side(spread[:4], 0.001, 0.001, 1, prefill=0.5)
+  results = measure.paired_decode_seconds(side(spread[:4], 0.3, 0.04, 1), slow_start)
+  assert [how["method"] for _, how in results] == [
+      "whole decode (the start timed apart outlasted a decode)"] * 2
+  assert results[1][0] == pytest.approx(sum(slow_start[0]) / slow_start[2]) and results[1][0] > 0
 
 
 def test_every_prompt_of_a_sweep_gets_its_own_key():
