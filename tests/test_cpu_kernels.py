@@ -419,6 +419,19 @@ def test_the_setting_is_checked_and_reaches_the_target_and_its_drafts(smollm2_tw
     expected = np.asarray(heads.scored(states, heads.head_rows(loaded.config, plain, [3, 5, 7])[0]))
     np.testing.assert_allclose(np.asarray(heads.scored(states, rows)), expected, rtol=1e-5,
                                atol=1e-5 * np.abs(expected).max())
+    # So do the MTP head's two kernels: its next state as from the plain weights.
+    from specjax.drafters import mtp  # pylint: disable=import-outside-toplevel
+    rng = np.random.RandomState(1)
+    weights = {name: (rng.standard_normal(value.shape) * 0.05).astype(np.float32)
+               for name, value in mtp.init_mtp(loaded.config.embed_dim).items()}
+    packed_mtp = mtp.drafter_params(weights, [3, 5, 7], loaded.config, loaded.params)["mtp"]
+    plain_mtp = mtp.drafter_params(weights, [3, 5, 7], loaded.config, plain)["mtp"]
+    assert all(isinstance(packed_mtp[name], cpu_kernels.PackedKernel)
+               for name in ("in_kernel", "kernel"))
+    embedded = jnp.asarray(rng.standard_normal((2, loaded.config.embed_dim)), jnp.float32)
+    expected = np.asarray(mtp.next_state(plain_mtp, states, embedded))
+    np.testing.assert_allclose(np.asarray(mtp.next_state(packed_mtp, states, embedded)), expected,
+                               rtol=1e-5, atol=1e-5 * np.abs(expected).max())
   # Without the library the setting names the script that builds it, before any work.
   monkeypatch.setattr(cpu_kernels, "LIBRARY", "/nonexistent/libspecjax_cpu.so")
   cpu_kernels._library.cache_clear()  # pylint: disable=protected-access

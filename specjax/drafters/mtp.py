@@ -35,7 +35,7 @@ import numpy as np
 from specjax.decoding import tree as trees
 from specjax.decoding.sampling import top_ids
 from specjax.drafters import expansion, heads
-from specjax.models import layers
+from specjax.models import cpu_kernels, layers
 
 KIND = "mtp"
 WEIGHTS_FILE = "mtp.npz"
@@ -58,12 +58,20 @@ def input_rows(target_config, target_params) -> jax.Array:
   return jnp.asarray(target_params["embedding"])
 
 
+def _product(x: jax.Array, kernel) -> jax.Array:
+  """x @ kernel; a kernel drafter_params packed runs on the CPU kernels (XLA:CPU's one-row products
+  cost what they compute: the head's two took about a third of a lookup + MTP draft)."""
+  if isinstance(kernel, cpu_kernels.PackedKernel):
+    return cpu_kernels.matmul(x, kernel)
+  return x @ kernel
+
+
 def next_state(params: dict, hidden: jax.Array, embedded: jax.Array) -> jax.Array:
   """hidden[..., E] (state at t), embedded[..., E] (the token at t + 1) -> the state at t + 1."""
   hidden = hidden.astype(jnp.float32)
   joined = jnp.concatenate([hidden, embedded.astype(jnp.float32)], axis=-1)
-  z = hidden + joined @ params["in_kernel"] + params["in_bias"]
-  return z + jax.nn.silu(z @ params["kernel"] + params["bias"])
+  z = hidden + _product(joined, params["in_kernel"]) + params["in_bias"]
+  return z + jax.nn.silu(_product(z, params["kernel"]) + params["bias"])
 
 
 def unroll(params: dict, embed_rows: jax.Array, head_rows: jax.Array, hidden: jax.Array,
@@ -81,8 +89,14 @@ def unroll(params: dict, embed_rows: jax.Array, head_rows: jax.Array, hidden: ja
 
 
 def drafter_params(mtp: dict, head_tokens, target_config, target_params) -> dict:
+  """The head's weights, output rows and token ids for drafting; its two kernels packed (float32)
+  for the CPU kernels where the target's are."""
   rows, tokens = heads.drafting_rows(target_config, target_params, head_tokens)
-  return {"mtp": jax.tree_util.tree_map(jnp.asarray, mtp), "head_rows": rows,
+  mtp = jax.tree_util.tree_map(jnp.asarray, mtp)
+  if cpu_kernels.is_packed(target_params):
+    mtp = {**mtp, **{name: cpu_kernels.pack(mtp[name], jnp.float32)
+                     for name in ("in_kernel", "kernel")}}
+  return {"mtp": mtp, "head_rows": rows,
           "head_tokens": tokens, "embed_rows": input_rows(target_config, target_params)}
 
 
