@@ -4,8 +4,8 @@
         [--repeats 5] [--new_tokens 32] [--gamma 4]
 
 For each variant (float32 through XLA; float32 or bfloat16 on specjax's CPU kernels,
-ModelSpec.kernels = "cpu", when scripts/build_cpu_kernels.sh has built them) and SmolLM2-135M at batch 1 on one held-out HumanEval
-prompt, two programs are profiled with jax.profiler: the autoregressive decode of `--new_tokens`
+ModelSpec.kernels = "cpu", when scripts/build_cpu_kernels.sh has built them) and SmolLM2-135M at
+batch 1 on one held-out HumanEval prompt, two programs are profiled with jax.profiler: the autoregressive decode of `--new_tokens`
 tokens, and the speculative decode of the same tokens with prompt lookup as a chain of `--gamma` (the
 loop: draft, verify on gamma + 1 tokens, accept). Every operation XLA ran is charged to the part of
 the decode JAX named it after (the flax module path with the layer number dropped, or the jitted

@@ -18,11 +18,11 @@
 // multiply-add each, from zero) whatever the row count, the row's place in its block, the number of
 // cores or the panel's owner: a row of a 17-row product is bit for bit that row alone.
 // bfloat16 weights are widened to float32 as they are read (exact); rows against them are bfloat16
-// (float32 rows are rounded to bfloat16 first, to nearest, ties to even, subnormals kept); sums are
-// float32, written as float32 or rounded once to bfloat16.
+// (float32 rows are rounded to bfloat16 first, to nearest, ties to even); sums are float32, written
+// as float32 or rounded once to bfloat16. Denormals count as zero (team.h's FlushDenormals).
 //
-// Without AVX-512 (a build for another CPU) the same sums run through std::fma in the same order:
-// equal results, far slower.
+// Without AVX-512 (a build for another CPU) the same sums run in 8-lane AVX2 registers, two rows at
+// a time, or without either through std::fma, in the same order: equal results, slower.
 //
 //   specjax_cpu_matmul_packed_bytes(k, n, f32)        bytes of the packed [k, n] weight
 //   specjax_cpu_matmul_pack(src, k, n, f32, dst)      row-major [k, n] -> packed

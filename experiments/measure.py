@@ -199,8 +199,9 @@ def paired_decode_seconds(*sides) -> list[tuple[float, dict]]:
   and all get ONE method. The loop's cost per iteration fitted over the prompts (timing.loop_seconds)
   where every side has MIN_FIT_PROMPTS prompts whose iteration counts spread, a fitted fixed cost
   >= 0 and a per-iteration cost the fit pins down (see loop_seconds); else each total less its
-  start (timed apart), or, where that is not positive on some side, each whole total. A ratio of a fit and a subtraction misled: 4 prompts of one pass fitted
-  fixed costs of -616 to 1,119 ms per prompt where the prefill took 264 ms."""
+  start (timed apart), or, where that is not positive on some side, each whole total. A ratio of a
+  fit and a subtraction misled: 4 prompts of one pass fitted fixed costs of -616 to 1,119 ms per
+  prompt where the prefill took 264 ms."""
   fits = [timing.loop_seconds(seconds, [int(np.asarray(o.target_calls)) for o in outs])
           if len(outs) >= MIN_FIT_PROMPTS else None for seconds, outs, _, _ in sides]
   by_fit = all(fit is not None and fit[1] >= 0 for fit in fits)

@@ -58,20 +58,14 @@ def input_rows(target_config, target_params) -> jax.Array:
   return jnp.asarray(target_params["embedding"])
 
 
-def _product(x: jax.Array, kernel) -> jax.Array:
-  """x @ kernel; a kernel drafter_params packed runs on the CPU kernels (XLA:CPU's one-row products
-  cost what they compute: the head's two took about a third of a lookup + MTP draft)."""
-  if isinstance(kernel, cpu_kernels.PackedKernel):
-    return cpu_kernels.matmul(x, kernel)
-  return x @ kernel
-
-
 def next_state(params: dict, hidden: jax.Array, embedded: jax.Array) -> jax.Array:
   """hidden[..., E] (state at t), embedded[..., E] (the token at t + 1) -> the state at t + 1."""
   hidden = hidden.astype(jnp.float32)
   joined = jnp.concatenate([hidden, embedded.astype(jnp.float32)], axis=-1)
-  z = hidden + _product(joined, params["in_kernel"]) + params["in_bias"]
-  return z + jax.nn.silu(_product(z, params["kernel"]) + params["bias"])
+  # layers.dense runs kernels drafter_params packed on the CPU kernels (XLA:CPU's one-row products
+  # cost what they compute: these two were half of a lookup + MTP draft).
+  z = hidden + layers.dense(joined, params["in_kernel"], float32_out=True) + params["in_bias"]
+  return z + jax.nn.silu(layers.dense(z, params["kernel"], float32_out=True) + params["bias"])
 
 
 def unroll(params: dict, embed_rows: jax.Array, head_rows: jax.Array, hidden: jax.Array,

@@ -95,8 +95,8 @@ def available() -> bool:
 
 
 def implementation() -> str:
-  """How this build runs its products: "avx512" (the vector code) or "portable" (the same sums
-  through std::fma, for a CPU without AVX-512: equal results, far slower); requires the library."""
+  """How this build runs its products: "avx512", "avx2" (a CPU without AVX-512: 8-lane registers,
+  two rows at a time) or "portable" (std::fma); all give the same bits. Requires the library."""
   return require().specjax_cpu_matmul_implementation().decode()
 
 
@@ -139,7 +139,7 @@ def unpack(kernel: PackedKernel) -> jax.Array:
 def matmul(x: jax.Array, kernel: PackedKernel, out_dtype=jnp.float32) -> jax.Array:
   """x[..., in] x kernel -> [..., out] in `out_dtype`, summed in float32. A float32 kernel reads
   and writes float32; a bfloat16 one reads x as bfloat16 (float32 rows are rounded in the call, to
-  nearest, ties to even, subnormals kept) and writes float32 or bfloat16."""
+  nearest, ties to even; subnormals then count as zero, as in XLA's own kernels) and writes float32 or bfloat16."""
   k, n = kernel.shape
   if x.shape[-1] != k:
     raise ValueError(f"x[..., {x.shape[-1]}] against a packed [{k}, {n}] kernel")
@@ -194,8 +194,8 @@ def cache_write(keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_val
 # leaf (the table itself stays for the embedding lookup).
 HEAD = "packed_head"
 # Kernels that read the same input, packed side by side as one product (each call costs a wake-up
-# of the team's threads: fusing brings SmolLM2's step from 211 products to 121). Layers look for the fused
-# kernel under fused_name(names) (layers.fused_dense).
+# of the team's threads: fusing brings SmolLM2's step from 211 products to 121). Layers look for the
+# fused kernel under fused_name(names) (layers.fused_dense).
 FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))
 
 
