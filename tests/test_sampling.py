@@ -106,3 +106,25 @@ def test_bad_sampling_settings_are_refused(kwargs, message):
   settings = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **kwargs}
   with pytest.raises(ValueError, match=message):
     sampling.validate_sampling(**settings)
+
+
+@pytest.mark.parametrize("vocab", [3, 255, 256, 257, 1000, 4099])
+def test_sample_with_uniform_equals_a_float64_inverse_cdf_across_blocks(vocab):
+  """The two-level draw (blocks of SAMPLE_BLOCK tokens) picks the token a float64 searchsorted over the
+  whole cumulative sum picks, with whole blocks of zeros in the way; uniforms within 1e-5 of a
+  boundary are skipped (float32 rounding may go either way there)."""
+  rng = np.random.default_rng(vocab)
+  probs = rng.random((200, vocab)) ** 4
+  probs[:, rng.random(vocab) < 0.3] = 0.0
+  probs[:, :min(vocab - 1, 2 * sampling.SAMPLE_BLOCK)] *= rng.random((200, 1)) < 0.5  # empty blocks
+  probs[:, -1] += 0.01  # every row keeps some mass
+  probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
+  uniforms = rng.random(200).astype(np.float32)
+  cumulative = np.cumsum(probs.astype(np.float64), axis=-1)
+  targets = uniforms * cumulative[:, -1]
+  want = np.array([np.searchsorted(c, t, side="right") for c, t in zip(cumulative, targets)])
+  clear = np.min(np.abs(cumulative - targets[:, None]), axis=-1) > 1e-5
+  got = np.asarray(sampling.sample_with_uniform(jnp.asarray(uniforms), jnp.asarray(probs)))
+  assert clear.sum() > 150
+  np.testing.assert_array_equal(got[clear], want[clear])
+  assert np.all(probs[np.arange(200), got] > 0)

@@ -85,18 +85,45 @@ def _nucleus(probs: jax.Array, top_p: jax.Array) -> jax.Array:
   return filtered / jnp.sum(filtered, axis=-1, keepdims=True)
 
 
+# Tokens per block of the two-level inverse CDF: a scan over the whole vocabulary is the slow part of
+# a draw on XLA:CPU (jnp.cumsum over SmolLM2's 49,152 probabilities: 0.39 ms, 2-core Xeon).
+SAMPLE_BLOCK = 256
+
+
 def sample_with_uniform(uniform: jax.Array, probs: jax.Array) -> jax.Array:
   """Inverse-CDF draw: uniform[...] in [0, 1), probs[..., V] -> token ids[...] int32.
 
-  Taking the uniform explicitly lets a numpy reference replay the exact same draws. A token with
-  probability 0 is never returned, even when rounding makes u * total reach the last cumulative sum.
+  Taking the uniform explicitly lets a numpy reference replay the exact same draws. Two levels, so no
+  scan runs over the whole vocabulary: the block of SAMPLE_BLOCK tokens whose cumulative mass first
+  passes u * total, then the token inside it. A token with probability 0 is never returned, even when
+  rounding makes u * total reach the last cumulative sum (each level falls back to its last entry
+  with mass).
   """
-  cumulative = jnp.cumsum(probs, axis=-1)
-  target = uniform[..., None] * cumulative[..., -1:]
-  index = jnp.sum(cumulative <= target, axis=-1)
   vocab = probs.shape[-1]
-  last_positive = vocab - 1 - jnp.argmax(probs[..., ::-1] > 0, axis=-1)
-  return jnp.minimum(index, last_positive).astype(jnp.int32)
+  batch_shape = probs.shape[:-1]
+  uniform = jnp.broadcast_to(uniform, batch_shape)
+  block = min(SAMPLE_BLOCK, vocab)
+  num_blocks = -(-vocab // block)
+  padding = [(0, 0)] * len(batch_shape) + [(0, num_blocks * block - vocab)]
+  blocks = jnp.pad(probs, padding).reshape(*batch_shape, num_blocks, block)
+  block_mass = jnp.sum(blocks, axis=-1)
+  block_cumulative = jnp.cumsum(block_mass, axis=-1)
+  target = uniform * block_cumulative[..., -1]
+  # A block without mass never holds the first cumulative sum above the target (its sum equals the
+  # previous one), so only the rounding fallback needs the last block with mass.
+  chosen = jnp.minimum(jnp.sum(block_cumulative <= target[..., None], axis=-1),
+                       _last_positive(block_mass))
+  before = jnp.take_along_axis(block_cumulative, jnp.maximum(chosen - 1, 0)[..., None], axis=-1)
+  before = jnp.where(chosen > 0, before[..., 0], 0.0)
+  inside = jnp.take_along_axis(blocks, chosen[..., None, None], axis=-2)[..., 0, :]
+  index = jnp.sum(jnp.cumsum(inside, axis=-1) <= (target - before)[..., None], axis=-1)
+  index = jnp.minimum(index, _last_positive(inside))
+  return (chosen * block + index).astype(jnp.int32)
+
+
+def _last_positive(values: jax.Array) -> jax.Array:
+  """The index of the last entry > 0 along the last axis (0 if there is none)."""
+  return values.shape[-1] - 1 - jnp.argmax(values[..., ::-1] > 0, axis=-1)
 
 
 def sample(rng: jax.Array, probs: jax.Array) -> jax.Array:
