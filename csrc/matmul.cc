@@ -43,6 +43,11 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "team.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -222,6 +227,77 @@ void NarrowRow(const float* from, int64_t count, uint16_t* to) {
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX: a bfloat16 product as 16 x 16 tiles of sums, each TDPBF16PS adding 16 of k's pairs at once.
+// The tile unit rounds its sums its own way (not the fused multiply-adds' order), so where it is
+// used it runs every row count, one row included, and a row's sums stay the same whatever the
+// other rows: a tile's row is computed from that row alone, and k goes by in the same 16-pair steps.
+bool AmxGranted() {  // Linux hands out the tile registers' state on request only
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                      18 /* XFEATURE_XTILEDATA */) == 0;
+  return granted;
+}
+
+// This thread's tile registers while it lives: eight of 16 rows x 64 bytes. Tiles 0-3 hold sums
+// (two row tiles x two column halves of a panel), 4-5 rows of x, 6-7 the panel's two halves.
+class Tiles {
+ public:
+  Tiles() {
+    struct {
+      uint8_t palette = 1, start_row = 0, reserved[14] = {};
+      uint16_t bytes_per_row[16] = {};
+      uint8_t rows[16] = {};
+    } config;
+    for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+  }
+  ~Tiles() { _tile_release(); }
+};
+
+// sums[rows16][32] = x[rows16][depth pairs] x panel [depth][32][2], rows16 a multiple of 16 and
+// depth of 16: 32 rows at a time, the panel's 16-pair steps read straight from its layout (a row of
+// pairs is 128 bytes: one tile row per column half).
+void AmxPanel(const char* x, int64_t rows16, int64_t depth, const char* panel, float* sums) {
+  const int64_t stride = depth * 4;
+  for (int64_t r = 0; r < rows16; r += 32) {
+    const bool two = rows16 - r > 16;
+    const char* a = x + r * stride;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t i = 0; i < depth; i += 16) {
+      const char* w = panel + i * kColumns * 4;
+      for (int64_t line = 0; line < 16 * kColumns * 4; line += 64)  // two steps ahead
+        _mm_prefetch(w + 2 * kAhead + line, _MM_HINT_T0);
+      _tile_loadd(6, w, kColumns * 4);
+      _tile_loadd(7, w + 64, kColumns * 4);
+      _tile_loadd(4, a + i * 4, stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, a + 16 * stride + i * 4, stride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, sums + r * kColumns, kColumns * 4);
+    _tile_stored(1, sums + r * kColumns + 16, kColumns * 4);
+    if (two) {
+      _tile_stored(2, sums + (r + 16) * kColumns, kColumns * 4);
+      _tile_stored(3, sums + (r + 16) * kColumns + 16, kColumns * 4);
+    }
+  }
+}
+
+// The tile unit takes a product of bfloat16 pairs whose k is a whole number of 16-pair steps.
+bool UseAmx(int64_t depth) { return depth % 16 == 0 && AmxGranted(); }
+#else
+bool UseAmx(int64_t) { return false; }
+void AmxPanel(const char*, int64_t, int64_t, const char*, float*) {}
+struct Tiles {};
+#endif
+
 // `rows` (1 .. kRows) rows through Block.
 template <bool F32>
 void RunBlock(int rows, const void* x, int64_t stride, int64_t begin, int64_t end,
@@ -231,6 +307,18 @@ void RunBlock(int rows, const void* x, int64_t stride, int64_t begin, int64_t en
       Block<1, F32>, Block<2, F32>, Block<3, F32>,  Block<4, F32>,  Block<5, F32>,  Block<6, F32>,
       Block<7, F32>, Block<8, F32>, Block<9, F32>, Block<10, F32>, Block<11, F32>, Block<12, F32>};
   kernels[rows - 1](x, stride, begin, end, panel, sums, resume);
+}
+
+// sums[m][32] into columns [first, first + 32) of y[m, n] (float32, or rounded to bfloat16).
+void WriteColumns(const float* sums, int64_t m, int64_t n, int64_t first, void* y, bool out_f32) {
+  const int64_t columns = std::min(kColumns, n - first);
+  for (int64_t r = 0; r < m; ++r) {
+    const float* from = sums + r * kColumns;
+    if (out_f32)
+      std::memcpy(static_cast<float*>(y) + r * n + first, from, columns * 4);
+    else
+      NarrowRow(from, columns, static_cast<uint16_t*>(y) + r * n + first);
+  }
 }
 
 // Columns [32 p, 32 p + 32) of y[m, n] = x[m, ...] x panel p; y float32 or bfloat16 (out_f32).
@@ -244,7 +332,7 @@ void Panel(const char* x, int64_t m, int64_t depth, int64_t n, const char* panel
   constexpr int64_t kChunk = 64;  // 8 KB of weights
   thread_local std::vector<float> sums;
   sums.resize(m * kColumns);
-  const int64_t first = p * kColumns, columns = std::min(kColumns, n - first);
+  const int64_t first = p * kColumns;
   const int64_t blocks = (m + kRows - 1) / kRows, chunk = blocks == 1 ? depth : kChunk;
   for (int64_t begin = 0; begin < depth; begin += chunk) {
     const int64_t end = std::min(depth, begin + chunk);
@@ -255,13 +343,7 @@ void Panel(const char* x, int64_t m, int64_t depth, int64_t n, const char* panel
                     begin > 0);
     }
   }
-  for (int64_t r = 0; r < m; ++r) {
-    const float* from = &sums[r * kColumns];
-    if (out_f32)
-      std::memcpy(static_cast<float*>(y) + r * n + first, from, columns * 4);
-    else
-      NarrowRow(from, columns, static_cast<uint16_t*>(y) + r * n + first);
-  }
+  WriteColumns(sums.data(), m, n, first, y, out_f32);
 }
 
 // y[m, n] = x[m, ...] x packed weight, the panels split between the team's threads.
@@ -269,9 +351,28 @@ template <bool F32>
 void Product(const char* x, int64_t m, int64_t k, int64_t n, const char* packed, void* y,
              bool out_f32) {
   const int64_t panels = Panels(n), depth = Depth(k, F32), panel_bytes = PanelBytes(k, F32);
+  const bool amx = !F32 && UseAmx(depth);
+  // The tile unit reads x in tiles of 16 rows: a copy padded with zero rows.
+  const int64_t rows16 = (m + 15) / 16 * 16;
+  std::vector<char> padded;
+  if (amx) {
+    padded.assign(rows16 * depth * 4, 0);
+    std::memcpy(padded.data(), x, m * depth * 4);
+  }
   auto run = [&](int part, int parts) {
-    for (int64_t p = panels * part / parts; p < panels * (part + 1) / parts; ++p)
-      Panel<F32>(x, m, depth, n, packed + p * panel_bytes, p, y, out_f32);
+    const int64_t begin = panels * part / parts, end = panels * (part + 1) / parts;
+    if (!amx) {
+      for (int64_t p = begin; p < end; ++p)
+        Panel<F32>(x, m, depth, n, packed + p * panel_bytes, p, y, out_f32);
+      return;
+    }
+    Tiles tiles;
+    thread_local std::vector<float> sums;
+    sums.resize(rows16 * kColumns);
+    for (int64_t p = begin; p < end; ++p) {
+      AmxPanel(padded.data(), rows16, depth, packed + p * panel_bytes, sums.data());
+      WriteColumns(sums.data(), m, n, p * kColumns, y, out_f32);
+    }
   };
   // Small products are not worth waking the other cores.
   if (m * k * n < (int64_t{1} << 16) || panels == 1)
@@ -390,7 +491,9 @@ int specjax_cpu_matmul_unpack(const void* src, int64_t k, int64_t n, int f32, vo
   return 0;
 }
 
-const char* specjax_cpu_matmul_implementation() { return kImplementation; }
+// "amx" where bfloat16 products of whole 16-pair steps run on the tile unit (the float32 ones and
+// the rest on kImplementation's code).
+const char* specjax_cpu_matmul_implementation() { return UseAmx(16) ? "amx" : kImplementation; }
 
 // The threads a product runs on (the team's size; tests check SPECJAX_CPU_THREADS took).
 int specjax_cpu_threads() { return specjax::Team::Get().size(); }
