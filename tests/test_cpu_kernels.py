@@ -490,3 +490,20 @@ def test_greedy_tokens_on_both_kernels_agree_in_float32(family, tree):
   np.testing.assert_array_equal(outputs["cpu"][0], outputs["xla"][0])
   np.testing.assert_array_equal(outputs["cpu"][1], outputs["cpu"][0])
   np.testing.assert_array_equal(outputs["xla"][1], outputs["xla"][0])
+
+
+def test_the_attention_and_the_norm_run_first_in_a_fresh_process():
+  """Each custom call registers the library's FFI targets itself: a process whose first call is the
+  attention, the cache write or the norm (no product packed before) runs them."""
+  script = """
+import jax.numpy as jnp
+from specjax.models import cpu_kernels
+ones = jnp.ones((1, 2, 2, 8))
+out = cpu_kernels.attention(ones, ones, ones, jnp.ones((1, 2, 2), bool))
+keys, _ = cpu_kernels.cache_write(jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 2, 8)), ones, ones,
+                                  jnp.asarray([[0, 1]], jnp.int32))
+norm = cpu_kernels.rms_norm(jnp.ones((2, 8)), jnp.ones((8,)), 0.0)
+print(float(out.sum()), float(keys.sum()), float(norm.sum()))
+"""
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+  assert done.stdout.split() == ["32.0", "32.0", "16.0"]

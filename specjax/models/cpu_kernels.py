@@ -161,6 +161,7 @@ def attention(queries: jax.Array, keys: jax.Array, values: jax.Array, visible: j
   queries; bias: float32 [B or 1, H, T, S] added to the scaled scores, or None. Each query's output is
   summed over the slots it sees in increasing order, skipping the rest (csrc/attention.cc): it does
   not depend on the other queries, the buffer's length or where its unseen slots lie."""
+  require()  # registers the FFI targets (a program may call the attention before any product)
   f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
   call = jax.ffi.ffi_call("specjax_cpu_attention",
                           jax.ShapeDtypeStruct(queries.shape, jnp.float32),
@@ -173,6 +174,7 @@ def attention(queries: jax.Array, keys: jax.Array, values: jax.Array, visible: j
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   """x[..., E] * rsqrt(mean(x * x) + eps) * scale[E] -> float32, each row's sum in one fixed order
   (csrc/rms_norm.cc): XLA's sums rows in another order from 8 rows on than for one."""
+  require()
   call = jax.ffi.ffi_call("specjax_cpu_rms_norm", jax.ShapeDtypeStruct(x.shape, jnp.float32),
                           vmap_method="sequential")
   return call(jnp.asarray(x, jnp.float32), jnp.asarray(scale, jnp.float32), eps=np.float32(eps))
@@ -182,6 +184,7 @@ def cache_write(keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_val
                 slots: jax.Array) -> tuple[jax.Array, jax.Array]:
   """kv_cache.write for both buffers of a layer at once, in place: new_keys / new_values[B, T, KV, D]
   into keys / values[B, S, KV, D] (float32) at slots[B, T]; a slot outside the buffer is dropped."""
+  require()
   call = jax.ffi.ffi_call("specjax_cpu_cache_write",
                           (jax.ShapeDtypeStruct(keys.shape, jnp.float32),
                            jax.ShapeDtypeStruct(values.shape, jnp.float32)),
