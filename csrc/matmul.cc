@@ -22,13 +22,16 @@
 // as float32 or rounded once to bfloat16. Denormals count as zero (team.h's FlushDenormals).
 //
 // Without AVX-512 (a build for another CPU) the same sums run in 8-lane AVX2 registers, two rows at
-// a time, or without either through std::fma, in the same order: equal results, slower.
+// a time, or without either through std::fma, in the same order: equal results, slower. Where the
+// CPU has AMX, bfloat16 products whose k is a multiple of 32 run on its tile unit instead, at every
+// row count: other roundings than the fused multiply-adds', but still the same for a row whatever
+// the other rows (AmxPanel).
 //
 //   specjax_cpu_matmul_packed_bytes(k, n, f32)        bytes of the packed [k, n] weight
 //   specjax_cpu_matmul_pack(src, k, n, f32, dst)      row-major [k, n] -> packed
 //   specjax_cpu_matmul_unpack(src, k, n, f32, dst)    and back
 //   specjax_cpu_matmul_run(x, m, k, n, f32, packed, y) y[m, n] float32 of float32 rows x[m, k]
-//   specjax_cpu_matmul_implementation()               "avx512" or "portable"
+//   specjax_cpu_matmul_implementation()               "amx", "avx512", "avx2" or "portable"
 //   SpecjaxCpuMatmul (XLA FFI)                        x[..., k], packed u8 -> y[..., n]
 //       (attribute bfloat16_weights; rows float32 or bfloat16; writes float32 or bfloat16)
 

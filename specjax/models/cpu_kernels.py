@@ -95,8 +95,10 @@ def available() -> bool:
 
 
 def implementation() -> str:
-  """How this build runs its products: "avx512", "avx2" (a CPU without AVX-512: 8-lane registers,
-  two rows at a time) or "portable" (std::fma); all give the same bits. Requires the library."""
+  """How this build runs its products: "amx" (bfloat16 products of k a multiple of 32 on AMX's tile
+  unit, the rest as "avx512"), "avx512", "avx2" (a CPU without AVX-512: 8-lane registers, two rows
+  at a time) or "portable" (std::fma). The last three give the same bits; the tile unit rounds its
+  own way, alike at every row count. Requires the library."""
   return require().specjax_cpu_matmul_implementation().decode()
 
 
