@@ -5,14 +5,15 @@
 
 For each variant (float32 through XLA; float32 or bfloat16 on specjax's CPU kernels,
 ModelSpec.kernels = "cpu", when scripts/build_cpu_kernels.sh has built them) and SmolLM2-135M at
-batch 1 on one held-out HumanEval prompt, two programs are profiled with jax.profiler: the autoregressive decode of `--new_tokens`
-tokens, and the speculative decode of the same tokens with prompt lookup as a chain of `--gamma` (the
-loop: draft, verify on gamma + 1 tokens, accept). Every operation XLA ran is charged to the part of
-the decode JAX named it after (the flax module path with the layer number dropped, or the jitted
-helper, and the primitive: `layers_*/mlp/ffi_call` is the MLPs' products on the CPU kernels, `layers_*/attn/
-dot_general` XLA's products in attention, `layers_*/attn/scatter` the cache writes), and the time per
-target call is reported by part; an operation the compiled program leaves unnamed (XLA's own
-products often are) is reported by its kind, e.g. `(dot, unnamed)`.
+batch 1 on one held-out HumanEval prompt, two programs are profiled with jax.profiler: the
+autoregressive decode of `--new_tokens` tokens, and the speculative decode of the same tokens with
+prompt lookup as a chain of `--gamma` (the loop: draft, verify on gamma + 1 tokens, accept). Every
+operation XLA ran is charged to the part of the decode JAX named it after (the flax module path with
+the layer number dropped, or the jitted helper, and the primitive: `layers_*/mlp/ffi_call` is the
+MLPs' products on the CPU kernels, `layers_*/attn/dot_general` XLA's products in attention,
+`layers_*/attn/scatter` the cache writes), and the time per target call is reported by part; an
+operation the compiled program leaves unnamed (XLA's own products often are) is reported by its
+kind, e.g. `(dot, unnamed)`.
 
 The profiler adds its own cost to every operation, so the totals run above a plain timed run; read the
 shares. Writes benchmarks/results/step_profile.{json,md}.
