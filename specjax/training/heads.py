@@ -6,8 +6,9 @@
 Stages, each kept so that nothing computed is lost (output_dir is held by one run at a time and
 refused to another spec, the target's weights included, as in specjax/outputs.py):
 
-1. Teacher data (specjax/training/teacher.py, cached under $SPECJAX_CACHE/teacher): the target's greedy and
-   sampled continuations of TRAIN-split prompts. A TeacherSpec equal to the draft's (training/draft_model.py) reuses its cache.
+1. Teacher data (specjax/training/teacher.py, cached under $SPECJAX_CACHE/teacher): the target's
+   greedy and sampled continuations of TRAIN-split prompts. A TeacherSpec equal to the draft's
+   (training/draft_model.py) reuses its cache.
 2. Hidden states: the target's final-norm hidden state at every position of those sequences, float16,
    as the teacher's decoding recorded them (nothing to compute). Teacher data cached before they
    were recorded gets them from teacher-forced prefill passes, cached once under
@@ -76,10 +77,10 @@ class HeadsSpec:
 # ---- 2. the target's hidden states ------------------------------------------------------------------
 
 def target_features(target_config, target_params, seqs: Sequences, prefill_tokens: int = 2048,
-                    bucket: int = 128) -> np.ndarray:
-  """[positions, E] float16: the target's final-norm hidden state at every position of `seqs`, by
-  causal prefill passes over right-padded batches of similar length (rows padded to a fixed count,
-  so each padded length compiles once)."""
+                    bucket: int = 128, features: contracts.FeatureSpec = heads.FEATURES) -> np.ndarray:
+  """[positions, F] float16: the target's `features` (default: its final-norm hidden state) at every
+  position of `seqs`, by causal prefill passes over right-padded batches of similar length (rows
+  padded to a fixed count, so each padded length compiles once)."""
   forward = decoder_only.make_forward(target_config)
 
   @jax.jit
@@ -88,12 +89,12 @@ def target_features(target_config, target_params, seqs: Sequences, prefill_token
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
     _, states, _ = forward(params, tokens, positions,
                            decoder_only.init_cache(target_config, rows, width),
-                           features=contracts.FeatureSpec(final_norm=True))
+                           features=features)
     return states.astype(jnp.float16)
 
   lengths = seqs.lengths()
   widths = -(-lengths // bucket) * bucket
-  out = np.zeros((int(seqs.offsets[-1]), target_config.embed_dim), np.float16)
+  out = np.zeros((int(seqs.offsets[-1]), features.width(target_config.embed_dim)), np.float16)
   passes = []
   for width in np.unique(widths):
     members = np.flatnonzero(widths == width)
@@ -110,9 +111,13 @@ def target_features(target_config, target_params, seqs: Sequences, prefill_token
 
 
 def cached_features(target_config, target_params, fingerprint: str, seqs: Sequences,
-                    spec: HeadsSpec) -> np.ndarray:
-  """target_features, computed once per (target, sequences) under $SPECJAX_CACHE/heads_features."""
-  digest = hashlib.sha256(json.dumps({"target": fingerprint, "format": 1}).encode())
+                    spec: HeadsSpec, features: contracts.FeatureSpec = heads.FEATURES) -> np.ndarray:
+  """target_features, computed once per (target, sequences, features) under
+  $SPECJAX_CACHE/heads_features."""
+  key = {"target": fingerprint, "format": 1}
+  if features != heads.FEATURES:  # the final-norm state keeps the key it was cached under
+    key["features"] = dataclasses.asdict(features)
+  digest = hashlib.sha256(json.dumps(key).encode())
   digest.update(np.ascontiguousarray(seqs.tokens, np.int32).tobytes())
   digest.update(np.ascontiguousarray(seqs.offsets, np.int64).tobytes())
   path = assets.cache_dir() / "heads_features" / f"{digest.hexdigest()[:16]}.npy"
@@ -120,15 +125,15 @@ def cached_features(target_config, target_params, fingerprint: str, seqs: Sequen
     logging.info("target hidden states: cached at %s", path)
     return np.load(path)
   start = time.perf_counter()
-  features = target_features(target_config, target_params, seqs, spec.prefill_tokens,
-                             spec.prefill_bucket)
+  states = target_features(target_config, target_params, seqs, spec.prefill_tokens,
+                           spec.prefill_bucket, features)
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_name(path.name + ".tmp.npy")
-  np.save(tmp, features)
+  np.save(tmp, states)
   tmp.replace(path)
-  logging.info("target hidden states: %d positions in %.0fs -> %s", len(features),
+  logging.info("target hidden states: %d positions in %.0fs -> %s", len(states),
                time.perf_counter() - start, path)
-  return features
+  return states
 
 
 # ---- 3. examples, batches and the loss --------------------------------------------------------------
@@ -283,25 +288,39 @@ def train(output_dir: str = "out/smollm2_heads", target=None, heads_spec: HeadsS
           stop_after_step: int | None = None) -> dict:
   """Train heads for `target` (specs.ModelSpec) into output_dir; returns the summary. A finished
   output_dir is reused as is; an interrupted one resumes; one holding another spec is refused."""
+  return run_on_teacher_data(
+      output_dir, target, ("heads", heads_spec), teacher, training, seed, "heads (Medusa or MTP)",
+      lambda *args, **kwargs: train_on_sequences(*args[:6], heads_spec, training, seed,
+                                                 stop_after_step, **kwargs))
+
+
+def run_on_teacher_data(output_dir, target, named_spec: tuple, teacher: TeacherSpec,
+                        training: TrainSpec, seed: int, what: str, train_fn) -> dict:
+  """The run every drafter trained on a decoder-only target's teacher data shares: output_dir held
+  for this spec (named_spec: (the drafter's name in the spec and its output subdirectory, its spec
+  dataclass)), a finished run's summary returned as is, the target loaded and its teacher data split,
+  then train_fn(run dir, loss log, target config, target params, train sequences, validation
+  sequences, metadata=..., teacher_seconds=...) -> summary, written unless it stopped early."""
   target = target or specs.ModelSpec()
-  spec = {"target": dataclasses.asdict(target), "heads": dataclasses.asdict(heads_spec),
+  name, drafter_spec = named_spec
+  spec = {"target": dataclasses.asdict(target), name: dataclasses.asdict(drafter_spec),
           "teacher": dataclasses.asdict(teacher), "training": dataclasses.asdict(training),
           "seed": seed, "content_keys": loading.content_keys(target),
           "prompt_digests": teacher_data.prompt_digests(teacher)}
   with outputs.RunDirectory(output_dir, spec, "train_log.jsonl", "spec_fingerprint",
-                            launch.operative_config(), other_results=("checkpoints", "heads"),
+                            launch.operative_config(), other_results=("checkpoints", name),
                             fingerprinted=("checkpoints",)) as run_dir, \
        outputs.RowsFile(run_dir.results, run_dir.fingerprint, "spec_fingerprint",
                         unique_key="step") as loss_log:
     summary_path = run_dir.path / "summary.json"
-    if summary_path.exists() and (run_dir.path / "heads" / heads.METADATA_FILE).exists():
-      logging.info("trained heads found in %s; nothing to do", run_dir.path)
+    if summary_path.exists() and (run_dir.path / name / heads.METADATA_FILE).exists():
+      logging.info("trained %s found in %s; nothing to do", name, run_dir.path)
       return json.loads(summary_path.read_text())
     started = time.perf_counter()
     loaded = loading.load_model(target.checkpoint, target.vocabulary)
     if not isinstance(loaded.config, decoder_only.DecoderConfig):
-      raise ValueError("heads (Medusa or MTP) read a decoder-only (Llama-family) target's hidden "
-                       f"states; {target.checkpoint} is an encoder-decoder model")
+      raise ValueError(f"{what} read a decoder-only (Llama-family) target's hidden states; "
+                       f"{target.checkpoint} is an encoder-decoder model")
     loaded = dataclasses.replace(loaded, params=jax.device_put(loaded.params))
     seqs = load_teacher_data({**dataclasses.asdict(target),
                               "content_key": spec["content_keys"]["target"]}, loaded, teacher, seed)
@@ -309,12 +328,10 @@ def train(output_dir: str = "out/smollm2_heads", target=None, heads_spec: HeadsS
     if not len(train_seqs) or not len(val_seqs):
       raise ValueError(f"{len(seqs)} sequences leave {len(train_seqs)} for training and "
                        f"{len(val_seqs)} for validation; add prompts or change validation_fraction")
-    summary = train_on_sequences(
-        run_dir.path, loss_log, loaded.config, loaded.params, train_seqs, val_seqs, heads_spec,
-        training, seed, stop_after_step,
-        metadata={"target": {"checkpoint": target.checkpoint,
-                             "content_key": spec["content_keys"]["target"]}},
-        teacher_seconds=time.perf_counter() - started)
+    summary = train_fn(run_dir.path, loss_log, loaded.config, loaded.params, train_seqs, val_seqs,
+                       metadata={"target": {"checkpoint": target.checkpoint,
+                                            "content_key": spec["content_keys"]["target"]}},
+                       teacher_seconds=time.perf_counter() - started)
     if "stopped_after_step" not in summary:
       summary["total_seconds"] = time.perf_counter() - started
       summary_path.write_text(json.dumps(outputs.jsonable(summary), indent=2) + "\n")

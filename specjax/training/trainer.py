@@ -124,8 +124,10 @@ def fit(trainer, params, train_batches, seed: int, checkpoint_dir, *,
   """Train trainer.spec.steps steps from the newest intact checkpoint in checkpoint_dir (or from
   `params`, the trainable tree).
 
-  train_batches: the list of batch dicts. stop_after_step: return after that step as an interruption
-  would (the checkpoint written there lets a rerun resume). on_loss(step, loss, **validation):
+  train_batches: the list of batch dicts, or a function of the step that returns its batch (drawn
+  from the step alone, so a resumed run trains on what an uninterrupted one would).
+  stop_after_step: return after that step as an interruption would (the checkpoint written there
+  lets a rerun resume). on_loss(step, loss, **validation):
   called every 10 steps, at every checkpoint and at the end (a run's loss log); validate(params) ->
   dict, if given, is run at every checkpoint and at the end and its results passed on as
   `validation_<name>` (the validation curve). Returns (params, losses of this run)."""
@@ -144,7 +146,8 @@ def fit(trainer, params, train_batches, seed: int, checkpoint_dir, *,
   params, opt_state = state["params"], state["opt_state"]
   with tqdm(total=spec.steps, initial=start, desc=desc, unit="step") as bar:
     for step in range(start, end):
-      batch = train_batches[batch_order(len(train_batches), step, seed)]
+      batch = (train_batches(step) if callable(train_batches) else
+               train_batches[batch_order(len(train_batches), step, seed)])
       params, opt_state, loss = trainer.train_step(params, opt_state, batch)
       at_checkpoint = (step + 1) % spec.checkpoint_every == 0 or step + 1 == end
       if (step + 1) % 10 == 0 or at_checkpoint:
