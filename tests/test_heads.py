@@ -296,11 +296,9 @@ def test_mtp_training_lowers_held_out_loss_and_the_tree_loop_accepts_its_chain(t
   # greedy decode (lossless whatever the drafter), and the head's chain is mostly accepted: 3.75
   # tokens per call of at most 4 (untrained: 1.0; reading the root one position early: 2.1).
   model = decoder_only.model(TARGET)
-  prompts = np.zeros((8, 9), np.int32)
-  lengths = np.zeros((8,), np.int32)
-  for row in range(8):
-    sequence = val.tokens[val.offsets[row]:val.offsets[row] + val.loss_from[row]][:9]
-    prompts[row, :len(sequence)], lengths[row] = sequence, len(sequence)
+  # Prompts: the first 6 tokens of held-out sequences (loss_from is 0 here: the prompts are scored).
+  prompts = np.stack([val.tokens[val.offsets[row]:val.offsets[row] + 6] for row in range(8)])
+  prompts, lengths = prompts.astype(np.int32), np.full((8,), 6, np.int32)
   expected = autoregressive.make_generate(model, autoregressive.DecodeShape(16))(
       target_params, prompts, lengths, jax.random.PRNGKey(0), 0.0)
   out = core.make_decode(model, drafter, core.DecodeConfig(16))(

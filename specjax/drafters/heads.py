@@ -251,7 +251,9 @@ def read_heads(directory) -> tuple[dict, np.ndarray | None, dict]:
   directory = pathlib.Path(directory)
   meta = read_metadata(directory)
   if meta.get("kind", "medusa") != "medusa":
-    raise ValueError(f"{directory} holds an MTP head, not Medusa heads: name it mtp:{directory}")
+    kind = meta["kind"]
+    raise ValueError(f"{directory} holds {'an MTP head' if kind == 'mtp' else f'a {kind} drafter'}, "
+                     f"not Medusa heads: name it {kind}:{directory}")
   with np.load(directory / WEIGHTS_FILE) as arrays:
     kernel, bias = arrays["kernel"], arrays["bias"]
     head_tokens = arrays["head_tokens"] if "head_tokens" in arrays else None

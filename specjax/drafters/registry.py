@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from specjax import contracts, loading
 from specjax.decoding.tree import Tree
-from specjax.drafters import expansion, heads, lookup, model, mtp, tables
+from specjax.drafters import dflash, expansion, heads, lookup, model, mtp, tables
 from specjax.models import cpu_kernels
 
 LOOKUP_FRONT = "lookup+"
@@ -93,7 +93,8 @@ class Kind:
   plan: spec, target config -> Planned; None: a plan cannot cost it (refused by the planner).
   missing: the fix when the checkpoint is not there (a training command).
   decoder_only: it reads a decoder-only target's hidden states (refused for a T5 target).
-  per_tree: its build depends on the tree (else `build` can reuse one build for every tree).
+  per_tree: its build depends on the tree and `sample` (else `build` can reuse one build for every
+    tree).
   """
   name: str
   build: Callable
@@ -208,7 +209,7 @@ def build(name, target: Target, tree: Tree, sample: bool = True, memo: dict | No
   if spec.entry.needs_text and target.sequences is None:
     raise ValueError(f"the {spec.kind} drafter is counted on token sequences; pass "
                      "Target(sequences=...)")
-  key = (spec, tree if spec.entry.per_tree else None)
+  key = (spec, tree, sample) if spec.entry.per_tree else (spec, None)
   if memo is not None and key in memo:
     made, params = memo[key]
   else:
@@ -278,3 +279,11 @@ register(Kind(
     build=lambda spec, target, tree, sample: mtp.load_mtp(
         spec.checkpoint, target.config, target.params, tree)))
 
+register(Kind(
+    "dflash", label="DFlash", checkpoint=True, plan=_NOTHING, decoder_only=True, per_tree=True,
+    missing="train it first (python -m specjax.train --gin_file=configs/smollm2_dflash.gin writes "
+            "out/smollm2_dflash/dflash)",
+    # Sampled from its own distribution where a chain asks for it; point masses (ranked candidates)
+    # behind prompt lookup, which fronts ranked candidates only.
+    build=lambda spec, target, tree, sample: dflash.load(
+        spec.checkpoint, target.config, target.params, tree, sample and not spec.lookup_front)))
