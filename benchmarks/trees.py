@@ -22,7 +22,8 @@ are timed in turn `--repeats` times, and both sides' decode ms per token found b
   speedup         baseline decode ms/token over the tree loop's; predicted = theory.tree_speedup.
 Drafters: any registered drafter name (specjax.drafters.registry): `lookup`, `bigram`, `model:<dir>`
 (a one-token drafter as a tree of its top-k), `heads:<dir>`, `mtp:<dir>`, `lookup+heads:<dir>`,
-`lookup+mtp:<dir>`; the kind column is registry.label. Writes benchmarks/results/{--out}.{json,md};
+`lookup+mtp:<dir>`, `dflash:<dir>`; the kind column is registry.label (with `--sampled`, "own q,
+rejection" marks a chain drawn from the drafter's distribution). Writes benchmarks/results/{--out}.{json,md};
 runs unchanged on GPU / TPU.
 """
 
@@ -37,7 +38,7 @@ import jax
 from tqdm import tqdm
 
 import common
-from experiments import measure, tree_sweep
+from experiments import measure, plots, tree_sweep
 from specjax import loading, specs
 from specjax.decoding.tree import Tree
 from specjax.drafters import registry
@@ -58,6 +59,10 @@ def parse_args():
   parser.add_argument("--kernels", default=None, help="specs.ModelSpec.kernels: cpu or xla")
   parser.add_argument("--style", default="chat", help="prompt style: chat, or t5 for a T5 target")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--sampled", action="store_true",
+                      help="also measure every chain at temperature > 0 drawn from the drafter's own "
+                           "distribution and verified by chain rejection (drafters that have one: "
+                           "dflash); by default candidates are point masses, verified by the walk")
   parser.add_argument("--out", default="trees")
   return parser.parse_args()
 
@@ -91,12 +96,17 @@ def main():
   bench = measure.Bench(target, measure.task_prompt_sets(grid.tasks, grid.prompts_per_task, args.style),
                         specs.DecodeSpec(max_new_tokens=args.new_tokens), args.seed, args.style,
                         grid.drafters, largest_tree=max(Tree.from_name(t).size for t in grid.trees))
+  if args.sampled:  # only drafters that have a distribution of their own to draw a chain from
+    points += [{**point, "sampled": True} for point in points
+               if point["temperature"] > 0 and Tree.from_name(point["tree"]).is_chain
+               and bench.drafter(point["drafter"], Tree.from_name(point["tree"]), True)[0].sampled]
   print(f"{len(points)} points; setup {time.perf_counter() - started:.0f}s", flush=True)
   rows = []
   for point in tqdm(points, desc="trees", unit="point"):
     rows.append({**point, **tree_sweep.measure_point(bench, grid.repeats, point)})
     r = rows[-1]
-    tqdm.write(f"{r['drafter']} {r['tree']} T={r['temperature']:g}: "
+    tqdm.write(f"{r['drafter']}{' (own q)' if r.get('sampled') else ''} {r['tree']} "
+               f"T={r['temperature']:g}: "
                f"{r['tokens_per_target_call']:.2f} tokens/call, speedup {r['decode_speedup']:.2f}x, "
                f"predicted {r['predicted_speedup']:.2f}x"
                + ("" if r["temperature"] else f", greedy equal: {r['outputs_match_baseline']}"))
@@ -112,6 +122,7 @@ def main():
   meta = {"args": vars(args), "jax": jax.__version__, "host": platform.node(),
           "cpus": os.cpu_count(), "total_s": total_s}
   print("wrote", common.write_results(args.out, rows, markdown, meta))
+  print("wrote", plots.accepted_per_call(rows, common.RESULTS / f"{args.out}-accepted.png"))
 
 
 if __name__ == "__main__":

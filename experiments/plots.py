@@ -14,6 +14,8 @@
                             with alpha^i, its i.i.d. prediction, dotted (vLLM's per-position metric)
   chen_k_sweep.png          ms per 128 tokens and accepted/(K+1) against K (Chen et al. 2023)
   alpha_vs_lenience.png     alpha against lenience l (Leviathan Table 5 / appendix A.5)
+  accepted_per_call.png     (the tree sweep's rows) the share of target calls that kept k drafted
+                            tokens, k = 0 .. depth, a panel per temperature, bars per drafter x tree
 
   python -m experiments.plots out/sweep/results.jsonl out/sweep/plots
 
@@ -340,6 +342,36 @@ def alpha_vs_lenience(rows: list[dict], path: Path) -> Path | None:
   ax.set(xlabel="lenience l (1 = lossless)", ylabel="alpha", ylim=(0, 1.05),
          title="alpha vs lenience (Leviathan Table 5)")
   _legend(ax)
+  return _save(fig, path)
+
+
+def accepted_per_call(rows: list[dict], path: Path) -> Path | None:
+  """The tree sweep's histograms of kept candidates per call (rows with `accepted_histogram`),
+  summed over tasks: a panel per temperature, a bar group per k, a bar per (drafter, tree, rule)."""
+  series: dict[float, dict[str, list[float]]] = {}
+  for row in rows:
+    if "accepted_histogram" not in row:
+      continue
+    label = f"{_short(row['drafter'])} {row['tree']}" + (" (own q)" if row.get("sampled") else "")
+    counts = series.setdefault(float(row["temperature"]), {}).setdefault(label, [])
+    for k, count in enumerate(row["accepted_histogram"]):
+      counts.extend([0.0] * (k + 1 - len(counts)))
+      counts[k] += count
+  if not series:
+    return None
+  fig, axes = plt.subplots(1, len(series), figsize=(5.5 * len(series), 3.6), squeeze=False,
+                           sharey=True)
+  for ax, (temperature, by_label) in zip(axes[0], sorted(series.items())):
+    width = 0.8 / len(by_label)
+    for i, (label, counts) in enumerate(sorted(by_label.items())):
+      total = max(sum(counts), 1.0)
+      ax.bar([k + i * width for k in range(len(counts))], [c / total for c in counts], width,
+             label=label)
+    ax.set_title(f"temperature {temperature:g}", fontsize=9)
+    ax.set_xlabel("drafted tokens kept per target call", fontsize=9)
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+  axes[0][0].set_ylabel("share of calls", fontsize=9)
+  _legend(axes[0][-1])
   return _save(fig, path)
 
 

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from experiments import measure, tables
+from experiments import measure, plots, tables
 from experiments import sweep as resumable
 from specjax import launch, loading, metrics, outputs, specs, theory, validation
 from specjax.data import prompts as prompt_sets
@@ -67,7 +67,10 @@ class TreeSweepSpec:
 def measure_point(bench: measure.Bench, repeats: int, point: dict) -> dict:
   task, name, temperature = point["task"], point["drafter"], point["temperature"]
   tree = Tree.from_name(point["tree"])
-  measured = measure.measure(bench, task, (name, tree, False), temperature, 1.0, repeats)
+  # point["sampled"]: a chain drawn from the drafter's own distribution and verified by chain
+  # rejection (drafters that have one: DFlash); by default candidates are point masses (the walk).
+  sampled = bool(point.get("sampled", False))
+  measured = measure.measure(bench, task, (name, tree, sampled), temperature, 1.0, repeats)
   outs, summary = measured["outputs"], measured["summary"]
   num_accepted = np.concatenate([np.asarray(o.stats.num_accepted) for o in outs])
   betas = np.concatenate([np.asarray(o.stats.acceptance_probs) for o in outs])
@@ -85,6 +88,8 @@ def measure_point(bench: measure.Bench, repeats: int, point: dict) -> dict:
       "tree_size": tree.size, "tree_depth": tree.depth, "tree_width": tree.width,
       "tokens_per_target_call": summary["tokens_per_target_call"],
       "alpha_by_depth": [float(a) for a in alpha_by_depth], "beta_by_depth": beta_by_depth,
+      # Calls that kept k of the candidates, k = 0 .. depth (the bonus token not counted).
+      "accepted_histogram": metrics.acceptance_histogram(num_accepted, tree.depth).tolist(),
       "cost_draft": costs["draft"], "cost_verify": costs["verify"], "cost_accept": costs["accept"],
       "baseline_decode_ms_per_token": base_decode,
       "tree_decode_ms_per_token": measured["speculative_decode_ms_per_token"],
@@ -102,14 +107,16 @@ def measure_point(bench: measure.Bench, repeats: int, point: dict) -> dict:
 def tree_table(rows: list[dict]) -> tables.Table:
   """Drafter kind x tree x temperature, averaged over tasks (tokens per call weighted by calls)."""
   out = []
-  for (drafter, tree, temp), group in sorted(tables.group(
-      rows, lambda r: (r["drafter"], r["tree"], r["temperature"])).items(), key=str):
+  for (drafter, tree, temp, sampled), group in sorted(tables.group(
+      rows, lambda r: (r["drafter"], r["tree"], r["temperature"], r.get("sampled", False))).items(),
+      key=str):
     mean = lambda key: tables.mean(r[key] for r in group)
     with warnings.catch_warnings():  # a depth no point reached stays NaN, quietly
       warnings.simplefilter("ignore", RuntimeWarning)
       depths = np.nanmean(np.asarray([r["alpha_by_depth"] for r in group], np.float64), axis=0)
     measured, predicted = mean("decode_speedup"), mean("predicted_speedup")
-    out.append((registry.label(drafter), drafter, f"{tree} ({group[0]['tree_size']})", temp,
+    kind = registry.label(drafter) + (" (own q, rejection)" if sampled else "")
+    out.append((kind, drafter, f"{tree} ({group[0]['tree_size']})", temp,
                  mean("tokens_per_target_call"), " ".join(f"{a:.2f}" for a in depths),
                  mean("cost_draft"), mean("cost_verify"), mean("cost_accept"), measured, predicted,
                  measured / predicted if measured and predicted else None,
@@ -181,5 +188,6 @@ class TreeSweep:
         table = tree_table(rows)
         (run_dir.path / "trees.md").write_text(table.markdown() + "\n")
         table.write_csv(run_dir.path / "trees.csv")
+        plots.accepted_per_call(rows, run_dir.path / "accepted_per_call.png")
     logging.info("tree sweep done: %d rows in %s", len(rows), self.output_dir)
     return rows

@@ -6,6 +6,7 @@ import re
 
 import gin
 import jax
+import numpy as np
 import pytest
 
 from specjax import checkpoints, outputs, run
@@ -170,7 +171,14 @@ def test_smoke_tree_sweep_writes_rows_and_table_and_resumes(tmp_path, smollm2_tw
     assert 1.0 <= row["tokens_per_target_call"] <= row["tree_depth"] + 1
     assert row["tree_size"] == 5 and row["decode_speedup"] > 0 and row["predicted_speedup"] > 0
     assert row["cost_verify"] > 0 and row["cost_draft"] > 0 and row["cost_accept"] > 0
+    # calls that kept k = 0 .. depth candidates; each commits k + 1 tokens unless EOS or the token
+    # budget cuts it, so the histogram's mean bounds tokens per call from above
+    histogram = np.asarray(row["accepted_histogram"])
+    assert len(histogram) == row["tree_depth"] + 1 and histogram.sum() > 0
+    kept = (histogram * np.arange(1, len(histogram) + 1)).sum() / histogram.sum()
+    assert kept >= row["tokens_per_target_call"] - 1e-9
   assert rows[0]["outputs_match_baseline"] is True  # greedy tree decode == greedy baseline
+  assert (tmp_path / "accepted_per_call.png").stat().st_size > 0
   # the kind column is registry.label(name): "prompt lookup" for `lookup`
   assert "| prompt lookup | lookup | spine:2x2 (5) | 0 |" in (tmp_path / "trees.md").read_text()
   gin.clear_config()
