@@ -26,7 +26,7 @@ from test_heads import TARGET, cache  # pylint: disable=unused-import  # the fix
 
 DFLASH = train_dflash.DFlashSpec(block_size=5, num_layers=1, num_features=2, mask_token=1,
                                  head_size=40, anchors=6, sequence_length=40, prefill_tokens=256,
-                                 prefill_bucket=16)
+                                 prefill_bucket=16, distill_weight=1.0)
 SPEC = trainer.TrainSpec(steps=400, tokens_per_batch=640, learning_rate=3e-3, warmup_steps=10,
                          checkpoint_every=100, validation_fraction=0.2)
 
@@ -296,3 +296,29 @@ def test_blocks_are_rooted_only_where_the_target_wrote_what_follows():
                       for row in batch["tokens"]])
   assert (batch["anchors"] >= first[:, None]).all()
   assert (batch["anchors"] < batch["lengths"][:, None] - 1).all()
+
+
+def test_the_distilled_label_of_a_block_position_is_the_targets_distribution_before_it():
+  """Block position k is distilled towards the target's top-k at anchor + k - 1 (the position that
+  predicts the token at anchor + k). In a greedy sequence's response every token IS the target's
+  argmax there, so the teacher's most probable column must equal the token's column at every
+  labelled position; one position off, it would not."""
+  _, train, _ = test_heads._setup()
+  greedy = np.flatnonzero(train.loss_from == 0)[:4]
+  assert len(greedy) == 4
+  windows = train_dflash.Windows.of(train.subset(greedy),
+                                    np.zeros((int(train.offsets[-1]), 1), np.float16), 40)
+  batch = train_dflash.batch_of(windows, np.arange(4), 6, np.random.default_rng(0))
+  index_map = jnp.arange(TARGET.vocab_size, dtype=jnp.int32)  # every token on the head
+  frozen = {"index_map": index_map}
+  ahead = batch["anchors"][:, :, None] + np.arange(1, DFLASH.block_size)
+  labelled = (ahead < batch["lengths"][:, None, None]) & batch["valid"][:, :, None]
+  columns, probs = train_dflash.teacher_terms(frozen, batch, jnp.asarray(labelled))
+  best = np.take_along_axis(np.asarray(columns), np.asarray(probs).argmax(-1)[..., None], -1)[..., 0]
+  tokens = np.take_along_axis(batch["tokens"], np.minimum(ahead, 39).reshape(4, -1), 1).reshape(
+      ahead.shape)
+  assert labelled.sum() > 50
+  np.testing.assert_array_equal(best[labelled], tokens[labelled])
+  assert (np.asarray(columns)[~labelled] == -1).all()
+  mass = np.asarray(probs).sum(-1)[labelled]  # the target's top-k: most of its probability
+  assert (mass > 0.5).all() and (mass <= 1.001).all()

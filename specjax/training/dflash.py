@@ -15,8 +15,9 @@ Stages, each kept so that nothing computed is lost (output_dir as in training/he
    token is the target's own (`response_start`: never inside a human-written prompt). Every block
    sees the context strictly before its anchor and itself, never another block
    (dflash.training_visibility); position k of a block (1..B-1) is scored against the sequence's
-   token at anchor + k with weight exp(-(k - 1) / decay). Only the drafter's layers, projection and
-   norms train; the embedding and output rows are the target's.
+   token at anchor + k with weight exp(-(k - 1) / decay), and with `distill_weight` also against
+   the target's own top-k distribution there (the teacher data's, as the MTP head is). Only the
+   drafter's layers, projection and norms train; the embedding and output rows are the target's.
 4. Output: dflash/ (dflash.npz + heads.json with the target's fingerprint; `dflash.load` reads it
    back for that target only) and summary.json with held-out loss, top-1 by block position and the
    tokens a greedy block would keep per target call (1 + the expected run of correct top-1 tokens),
@@ -50,7 +51,9 @@ PAPER_DECAY = {16: 7.0, 10: 5.0, 8: 4.0}
 @dataclasses.dataclass(frozen=True)
 class DFlashSpec:
   """The drafter and how its batches are drawn. decay 0: the paper's for the block size (else half
-  the block). A batch holds tokens_per_batch // sequence_length sequences."""
+  the block). A batch holds tokens_per_batch // sequence_length sequences. distill_weight: the
+  weight of the cross-entropy to the target's top-k distribution beside the token's (0: the
+  paper's loss, tokens only)."""
   block_size: int = 8
   num_layers: int = 2
   num_features: int = 5
@@ -61,6 +64,7 @@ class DFlashSpec:
   decay: float = 0.0
   prefill_tokens: int = 2048
   prefill_bucket: int = 128
+  distill_weight: float = 0.0
 
   def __post_init__(self):
     if self.anchors < 1 or self.sequence_length < 2 or self.head_size < 0:
@@ -95,11 +99,14 @@ def response_start(seqs: Sequences, i: int) -> int:
 class Windows:
   """The last `length` tokens of each sequence, right-padded: tokens [N, L], features [N, L, F]
   (float16), lengths [N], first [N] (the first position whose block may be an anchor: the
-  response's start (`response_start`), at least 1 so that a block always has context)."""
+  response's start (`response_start`), at least 1 so that a block always has context), and the
+  target's top-k at each position, teacher_ids [N, L, k] and teacher_probs [N, L, k] (float16)."""
   tokens: np.ndarray
   features: np.ndarray
   lengths: np.ndarray
   first: np.ndarray
+  teacher_ids: np.ndarray
+  teacher_probs: np.ndarray
 
   @classmethod
   def of(cls, seqs: Sequences, features: np.ndarray, length: int) -> "Windows":
@@ -107,14 +114,19 @@ class Windows:
     tokens = np.zeros((count, length), np.int32)
     window = np.zeros((count, length, features.shape[1]), np.float16)
     lengths, first = np.zeros(count, np.int32), np.zeros(count, np.int32)
+    top_k = seqs.teacher_ids.shape[1]
+    ids = np.zeros((count, length, top_k), np.int32)
+    probs = np.zeros((count, length, top_k), np.float16)
     for i in range(count):
       start, end = int(seqs.offsets[i]), int(seqs.offsets[i + 1])
       cut = max(start, end - length)
       tokens[i, :end - cut] = seqs.tokens[cut:end]
       window[i, :end - cut] = features[cut:end]
+      ids[i, :end - cut] = seqs.teacher_ids[cut:end]
+      probs[i, :end - cut] = np.exp(seqs.teacher_logp[cut:end])
       lengths[i] = end - cut
       first[i] = max(1, response_start(seqs, i) - (cut - start))
-    return cls(tokens, window, lengths, first)
+    return cls(tokens, window, lengths, first, ids, probs)
 
   def anchors(self, rows: np.ndarray, count: int, rng: np.random.Generator):
     """(anchors [R, count], valid [R, count]): distinct random roots in first .. length - 2 of each
@@ -152,7 +164,8 @@ class Batches:
 def batch_of(windows: Windows, rows, anchors: int, rng) -> dict:
   picked, valid = windows.anchors(np.asarray(rows), anchors, rng)
   return {"tokens": windows.tokens[rows], "features": windows.features[rows],
-          "lengths": windows.lengths[rows], "anchors": picked, "valid": valid}
+          "lengths": windows.lengths[rows], "anchors": picked, "valid": valid,
+          "teacher_ids": windows.teacher_ids[rows], "teacher_probs": windows.teacher_probs[rows]}
 
 
 def validation_batches(windows: Windows, rows: int, anchors: int, seed: int) -> list[dict]:
@@ -191,6 +204,19 @@ def block_terms(config: dflash.DFlashConfig, params: dict, frozen: dict, batch: 
   return logits, columns, labelled
 
 
+def teacher_terms(frozen: dict, batch: dict, labelled: jax.Array):
+  """The target's top-k for block position k of each block: its distribution at anchor + k - 1,
+  the position that predicts the token at anchor + k. -> (head columns [N, M, B-1, k] (-1: off the
+  head or no label), probabilities [N, M, B-1, k])."""
+  rows, length, top_k = batch["teacher_ids"].shape
+  before = jnp.minimum(batch["anchors"][:, :, None] + jnp.arange(labelled.shape[-1]), length - 1)
+  take = lambda table: jnp.take_along_axis(table, before.reshape(rows, -1, 1), axis=1).reshape(
+      before.shape + (top_k,))
+  columns = frozen["index_map"][take(batch["teacher_ids"])]
+  columns = jnp.where(labelled[..., None], columns, -1)
+  return columns, take(batch["teacher_probs"]).astype(jnp.float32)
+
+
 class Trainer:
   """The jitted train and eval steps over the frozen embedding and output rows."""
 
@@ -200,20 +226,27 @@ class Trainer:
     self.frozen = jax.tree_util.tree_map(jnp.asarray, frozen)
     self.optimizer = make_optimizer(spec)
     weights = jnp.asarray(dflash_spec.position_weights())
+    distill = dflash_spec.distill_weight
 
     def cross_entropy(params, batch):
       logits, columns, labelled = block_terms(config, params, batch["frozen"], batch)
       logq = jax.nn.log_softmax(logits, axis=-1)
       ce = -jnp.take_along_axis(logq, jnp.maximum(columns, 0)[..., None], axis=-1)[..., 0]
-      return logits, jnp.where(columns >= 0, ce, 0.0), columns, labelled
+      return logits, logq, jnp.where(columns >= 0, ce, 0.0), columns, labelled
 
     def loss_fn(params, batch):
-      _, ce, columns, _ = cross_entropy(params, batch)
+      _, logq, ce, columns, labelled = cross_entropy(params, batch)
       on_head = (columns >= 0) * weights
-      return (ce * weights).sum() / jnp.maximum(on_head.sum(), 1.0)
+      loss = (ce * weights).sum() / jnp.maximum(on_head.sum(), 1.0)
+      if distill:
+        teacher, probs = teacher_terms(batch["frozen"], batch, labelled)
+        logq_k = jnp.take_along_axis(logq, jnp.maximum(teacher, 0), axis=-1)
+        soft = -jnp.where(teacher >= 0, probs * logq_k, 0.0).sum(-1)
+        loss += distill * (soft * weights).sum() / jnp.maximum((labelled * weights).sum(), 1.0)
+      return loss
 
     def eval_step(params, batch):
-      logits, ce, columns, labelled = cross_entropy(params, batch)
+      logits, _, ce, columns, labelled = cross_entropy(params, batch)
       right = (jnp.argmax(logits, axis=-1) == columns) & (columns >= 0)
       # A greedy block keeps its tokens up to the first wrong one: the run of right ones.
       run = jnp.cumprod(right.astype(jnp.int32), axis=-1)
