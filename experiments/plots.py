@@ -35,6 +35,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on CI machines or TPU hosts
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
+from matplotlib import patches  # pylint: disable=wrong-import-position
 from matplotlib import ticker  # pylint: disable=wrong-import-position
 from matplotlib.figure import Figure  # pylint: disable=wrong-import-position
 from matplotlib.lines import Line2D  # pylint: disable=wrong-import-position
@@ -361,17 +362,22 @@ def accepted_per_call(rows: list[dict], path: Path) -> Path | None:
     return None
   fig, axes = plt.subplots(1, len(series), figsize=(5.5 * len(series), 3.6), squeeze=False,
                            sharey=True)
+  # One colour per series in every panel (a sampled chain exists at temperature > 0 only).
+  labels = sorted({label for by_label in series.values() for label in by_label})
+  colour = {label: f"C{i % 10}" for i, label in enumerate(labels)}
   for ax, (temperature, by_label) in zip(axes[0], sorted(series.items())):
     width = 0.8 / len(by_label)
     for i, (label, counts) in enumerate(sorted(by_label.items())):
       total = max(sum(counts), 1.0)
       ax.bar([k + i * width for k in range(len(counts))], [c / total for c in counts], width,
-             label=label)
+             color=colour[label])
     ax.set_title(f"temperature {temperature:g}", fontsize=9)
     ax.set_xlabel("drafted tokens kept per target call", fontsize=9)
     ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
   axes[0][0].set_ylabel("share of calls", fontsize=9)
-  _legend(axes[0][-1])
+  # The legend names every series, whichever panels hold it.
+  axes[0][-1].legend(handles=[patches.Patch(color=colour[label], label=label) for label in labels],
+                     fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
   return _save(fig, path)
 
 
