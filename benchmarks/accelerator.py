@@ -97,6 +97,7 @@ ALTERNATIVES = "benchmarks/results/draft_alternatives.md"
 TREES = "benchmarks/results/trees.md"
 TWELVE = ("docs/results.md, Twelve prompts, three passes (alpha, tokens per call); draft cost "
           "benchmarks/results/trees.md")
+DFLASH = "benchmarks/results/dflash-humaneval.md"
 # THE acceptance figures the predictions use, all measured with SmolLM2-135M-Instruct as the target
 # on held-out HumanEval prompts, each as its source file prints it.
 ACCEPTANCE = (
@@ -114,11 +115,14 @@ ACCEPTANCE = (
     Acceptance("lookup + MTP head", "chain:4", 0.0, (0.57, 0.60, 0.74, 0.76), 0.05, TWELVE, 2.28),
     Acceptance("lookup + MTP head", "spine:4x4", 0.0, (0.85, 0.53, 0.73, 0.70), 0.05, TWELVE, 2.80),
     Acceptance("lookup + MTP head", "chain:4", 1.0, (0.32, 0.40, 0.42, 0.65), 0.05, TWELVE, 1.53),
+    Acceptance("DFlash block", "chain:4", 0.0, (0.27, 0.21, 0.24, 0.29), 0.08, DFLASH, 1.34),
+    Acceptance("DFlash block", "chain:4", 1.0, (0.15, 0.15, 0.07, 1.00), 0.07, DFLASH, 1.18),
 )
-BLOCK_DRAFTER = ("Block drafter (one pass proposes a whole block, DFlash-style): no acceptance "
-                 "figure has been measured for one yet, so nothing is predicted for it. A block of "
-                 "B tokens is verified in one call costing v(B + 1) steps (the v table): it pays "
-                 "only if it averages more tokens per call than that plus its own pass.")
+BLOCK_DRAFTER = ("Block drafter (DFlash: one pass proposes the whole block): its rows above are the "
+                 "first 4 positions of a block of 8 (configs/smollm2_dflash.gin, 400 steps on the "
+                 "main job's teacher data). A block of B tokens is verified in one call costing "
+                 "v(B + 1) steps (the v table): it pays only if it averages more tokens per call "
+                 "than that plus its own pass.")
 
 
 def parse_args(argv=None):

@@ -98,4 +98,5 @@ def test_acceptance_figures_are_found_in_their_sources(results):
       assert f"{figure['alpha'][0]:.3f}" in source, figure
     else:
       assert " ".join(f"{a:.2f}" for a in figure["alpha"]) in source, figure
-  assert "no acceptance figure has been measured" in markdown  # the block drafter
+  assert any(f["drafter"] == "DFlash block" for f in meta["acceptance"])  # the block drafter
+  assert "Block drafter (DFlash" in markdown

@@ -331,8 +331,9 @@ def load_prompt_set(name: str, split: str = "all", limit: int | None = None,
   items = _items(name)
   if name.endswith(".jsonl") or name == "stdlib":
     if split == "train":
-      raise ValueError(f"split 'train' of the prompt set {name}: it is not split (it is a test set "
-                       "of its own, used whole); use split 'all' or 'heldout'")
+      what = "a prompts file" if name.endswith(".jsonl") else f"the {name} set"
+      raise ValueError(f"split 'train' of {name}: {what} is not split (it is a test set of its own, "
+                       "used whole); use split 'all' or 'heldout'")
   elif split != "all":
     items = [item for item in items if is_heldout(item[1]) == (split == "heldout")]
   items = items[:limit] if limit is not None else items
