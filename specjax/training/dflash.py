@@ -27,6 +27,7 @@ Stages, each kept so that nothing computed is lost (output_dir as in training/he
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import time
 
@@ -286,8 +287,8 @@ def train(output_dir: str = "out/smollm2_dflash", target=None, dflash_spec: DFla
   refused."""
   return train_heads.run_on_teacher_data(
       output_dir, target, (dflash.KIND, dflash_spec), teacher, training, seed, "a DFlash drafter",
-      lambda *args, **kwargs: train_on_sequences(*args[:6], dflash_spec, training, seed,
-                                                 stop_after_step, **kwargs))
+      functools.partial(train_on_sequences, dflash_spec=dflash_spec, training=training, seed=seed,
+                        stop_after_step=stop_after_step))
 
 
 def train_on_sequences(output_dir, loss_log: outputs.RowsFile | None, target_config, target_params,

@@ -33,6 +33,7 @@ refused to another spec, the target's weights included, as in specjax/outputs.py
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import pathlib
@@ -290,8 +291,8 @@ def train(output_dir: str = "out/smollm2_heads", target=None, heads_spec: HeadsS
   output_dir is reused as is; an interrupted one resumes; one holding another spec is refused."""
   return run_on_teacher_data(
       output_dir, target, ("heads", heads_spec), teacher, training, seed, "heads (Medusa or MTP)",
-      lambda *args, **kwargs: train_on_sequences(*args[:6], heads_spec, training, seed,
-                                                 stop_after_step, **kwargs))
+      functools.partial(train_on_sequences, heads_spec=heads_spec, training=training, seed=seed,
+                        stop_after_step=stop_after_step))
 
 
 def run_on_teacher_data(output_dir, target, named_spec: tuple, teacher: TeacherSpec,
