@@ -61,7 +61,8 @@ PAPER = {
 # Our prompt sets -> the paper task they stand in for. "news" is real news articles without reference
 # summaries, the nearest thing here to the papers' summarisation tasks; "gettext_ende" is English ->
 # German Django gettext messages (the embedded T5 experiment's evaluation set), short UI strings rather
-# than WMT news; the label says which it was.
-LEVIATHAN_TASK = {"ende": "EnDe", "wmt_ende": "EnDe", "gettext_ende": "EnDe", "news": "CNNDM",
-                  "cnndm": "CNNDM"}
+# than WMT news, and "heldout_catalogs" the same kind of messages from the wagtail, django-allauth and
+# sphinx catalogs (the T5 EnDe experiment's); the label says which it was.
+LEVIATHAN_TASK = {"ende": "EnDe", "wmt_ende": "EnDe", "gettext_ende": "EnDe",
+                  "heldout_catalogs": "EnDe", "news": "CNNDM", "cnndm": "CNNDM"}
 CHEN_TASK = {"news": "XSum", "xsum": "XSum", "humaneval": "HumanEval"}

@@ -12,7 +12,7 @@ import struct
 import pytest
 
 from specjax import assets
-from specjax.data import catalogs, gettext, tasks
+from specjax.data import catalogs, gettext, prompts, tasks
 from specjax.training import seq2seq
 
 TRAINED = ("train", "validation", "heldout")
@@ -74,6 +74,28 @@ def test_heldout_packages_are_never_trained_on():
   vocabulary_texts = set(tasks.texts_for_vocabulary("catalogs_ende"))
   assert not {gettext.PREFIX.format(language="German") + text
               for text in heldout_english} & vocabulary_texts
+
+
+def test_the_heldout_catalogs_prompt_set_is_the_heldout_packages_messages():
+  """The T5 EnDe sweep's prompts: each held-out English message once (read from the packages' own
+  catalogs), with a German translation of it from them; never split, nothing trained on any of it."""
+  oracle = set().union(*_heldout_package_messages().values())
+  german_of = collections.defaultdict(set)
+  for pair in _by_split()[catalogs.HELDOUT_SPLIT]:
+    german_of[pair.english].add(pair.german)
+  whole = prompts.load_prompt_set("heldout_catalogs", "all", style="t5")
+  assert sorted(whole.keys) == sorted(german_of) and set(whole.keys) <= oracle
+  assert all(ref in german_of[key] for key, ref in zip(whole.keys, whole.references))
+  assert all(text == "translate English to German: " + key
+             for key, text in zip(whole.keys, whole.prompts))
+  # Ordered by hash: any first 40 mix the three packages (the catalogs come one after the other).
+  source_of = {pair.english: pair.source for pair in _by_split()[catalogs.HELDOUT_SPLIT]}
+  assert {source_of[key] for key in whole.keys[:40]} == set(catalogs.HELDOUT_PACKAGES)
+  assert prompts.load_prompt_set("heldout_catalogs", "heldout", style="t5").prompts == whole.prompts
+  with pytest.raises(ValueError, match="not split"):
+    prompts.load_prompt_set("heldout_catalogs", "train")
+  trained = {example["inputs"] for split in TRAINED for example in tasks.examples(catalogs.TASK, split)}
+  assert not set(whole.prompts) & trained
 
 
 def test_placeholders_survive_byte_for_byte():

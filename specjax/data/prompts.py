@@ -13,6 +13,10 @@ Nothing is downloaded at run time (DESIGN.md, Assets); `specjax.assets` locates 
              German translations as references. Short software strings, NOT WMT news translation.
   gettext_ende  The same from all of Django's German catalogs (specjax.data.gettext), the embedded T5
              experiment's evaluation messages: held out here = held out in its training task.
+  heldout_catalogs  English -> German messages of the wagtail, django-allauth and sphinx catalogs,
+             which the `catalogs_ende` task holds out of every training split (specjax.data.catalogs):
+             the T5 EnDe experiment's evaluation set, a test set of its own, never split, each English
+             message once, ordered by a hash of the English so that any first N mix the three packages.
   pycode     Python functions (signature + docstring; reference = the body) of the third-party
              packages specjax installs (PYCODE_PACKAGES: jax, flax, numpy, django, ...): broad code
              for drafters' teacher data, split like the other named sets.
@@ -49,6 +53,7 @@ import ast
 import dataclasses
 import functools
 import gzip
+import hashlib
 import json
 import pathlib
 import sysconfig
@@ -58,7 +63,7 @@ from typing import Sequence
 import numpy as np
 
 from specjax import assets, validation
-from specjax.data import gettext
+from specjax.data import catalogs, gettext
 from specjax.data.splits import is_heldout
 from specjax.tokenizer import render_chatml
 
@@ -68,7 +73,9 @@ STYLES = ("chat", "plain", "t5")
 NEWS_INSTRUCTION = "Summarize the following news article.\n\n"
 ENDE_INSTRUCTION = "Translate to German: "
 T5_PREFIXES = {"news": "summarize: ", "ende": "translate English to German: ",
-               "gettext_ende": "translate English to German: "}
+               "gettext_ende": "translate English to German: ",
+               "heldout_catalogs": "translate English to German: "}
+NEVER_SPLIT = ("stdlib", "heldout_catalogs")  # named sets that are test sets of their own
 
 DESCRIPTIONS = {
     "humaneval": "HumanEval (Chen et al. 2021): 164 Python problems; prompt = code to complete, "
@@ -85,6 +92,9 @@ DESCRIPTIONS = {
                     "(core and contrib apps, placeholders kept), references = Django's German "
                     "translations; the embedded T5 experiment's evaluation set (its held-out split is "
                     "never trained on, in any locale). Short software strings; not WMT.",
+    "heldout_catalogs": "Translate to German: the English messages of the wagtail, django-allauth and "
+                        "sphinx German catalogs, held out of every catalogs_ende training split; the "
+                        "T5 EnDe experiment's evaluation set. Never split.",
 }
 
 
@@ -223,6 +233,19 @@ def package_functions() -> tuple[tuple[str, str, str], ...]:
                           _STDLIB_SKIPPED, PYCODE_SIZE)
 
 
+@functools.lru_cache(maxsize=None)
+def heldout_catalog_items() -> tuple[tuple[str, str, str], ...]:
+  """(English, English, German) of the held-out packages' pairs (`catalogs.HELDOUT_SPLIT`), the first
+  German of each English message, ordered by the English's SHA-256 (splits.hash_percent's digest): the
+  packages' catalogs come one after the other, and a sweep reads only the first prompts."""
+  first = {}
+  for pair in catalogs.catalog_pairs():
+    if catalogs.split_of(pair) == catalogs.HELDOUT_SPLIT:
+      first.setdefault(pair.english, pair.german)
+  order = sorted(first, key=lambda english: hashlib.sha256(english.encode("utf-8")).digest())
+  return tuple((english, english, first[english]) for english in order)
+
+
 def _instruction_prompt(name: str, text: str, style: str) -> str:
   if style == "t5":
     return T5_PREFIXES[name] + text
@@ -294,6 +317,8 @@ def _items(name: str) -> list[tuple[str, str, str | None]]:
     return gettext.evaluation_items()
   if name == "stdlib":
     return list(stdlib_functions())
+  if name == "heldout_catalogs":
+    return list(heldout_catalog_items())
   if name == "pycode":
     return list(package_functions())
   return [(english, english, german) for english, german in django_de_pairs()]  # "ende"
@@ -329,7 +354,7 @@ def load_prompt_set(name: str, split: str = "all", limit: int | None = None,
   if limit is not None and limit < 0:
     raise ValueError(f"limit must be >= 0 or None, got {limit}")
   items = _items(name)
-  if name.endswith(".jsonl") or name == "stdlib":
+  if name.endswith(".jsonl") or name in NEVER_SPLIT:
     if split == "train":
       what = "a prompts file" if name.endswith(".jsonl") else f"the {name} set"
       raise ValueError(f"split 'train' of {name}: {what} is not split (it is a test set of its own, "
