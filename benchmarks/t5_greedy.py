@@ -70,8 +70,9 @@ def main():
   calls = lambda rows: sum(c for _, c in batches(rows))
   lines = [f"Greedy, {len(target)} held-out {name} messages, batch {args.batch_size}, gamma "
            f"{args.gamma}, up to {args.new_tokens} new tokens, {args.kernels} kernels "
-           f"(python benchmarks/t5_greedy.py --experiment {args.experiment}"
-           f"{'' if args.kernels == 'xla' else ' --kernels ' + args.kernels})",
+           f"(python benchmarks/t5_greedy.py --experiment {args.experiment} --kernels {args.kernels} "
+           f"--gamma {args.gamma} --batch_size {args.batch_size} --new_tokens {args.new_tokens}"
+           f"{'' if args.limit is None else f' --limit {args.limit}'})",
            "", "| decoding | outputs equal to the target's | BLEU | chrF | tokens | target calls "
            "(all batches) | decode seconds | vs target alone |", "|---|---|---|---|---|---|---|---|"]
   bleu, chrf = quality(keys)  # the English source itself
