@@ -293,6 +293,29 @@ def test_the_cache_write_puts_each_token_in_its_slot_and_drops_slots_outside_the
   np.testing.assert_array_equal(np.asarray(ours[0])[:1], np.asarray(xla))
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["T5 1.1", "T5 1.0"])
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_a_t5_steps_bytes_are_its_decoders_per_step_weights(tied, packed):
+  """The floor of a T5 step reads the decoder's weights only, counted here from the config: each
+  layer's self-attention (q, k, v, o), the cross-attention's query and output (its key / value
+  kernels project the source once per request), the MLP and three norms; the relative position table,
+  the final norm, and the head (1.1's own kernel, or 1.0's embedding read transposed). Not the
+  encoder, and not an untied model's embedding table (the lookup gathers a row). All tiny widths are
+  multiples of 32, so packing pads nothing."""
+  config = t5.SIZES["tiny-1.0" if tied else "tiny"]
+  e, inner, v = config.embed_dim, config.num_heads * config.head_dim, config.vocab_size
+  mlp = (3 if config.gated else 2) * e * config.mlp_dim
+  layer = 4 * e * inner + 2 * e * inner + mlp + 3 * e
+  expected = 4 * (config.num_decoder_layers * layer + config.num_heads * config.relative_buckets
+                  + e + e * v)
+  params = random_t5_params(config, seed=3)
+  if packed:
+    params = cpu_kernels.pack_params_for(config, params)
+  assert cpu_kernels.step_bytes(params, tied) == expected
+  whole = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params))
+  assert cpu_kernels.step_bytes(params, tied) < whole  # the encoder and the rest were left out
+
+
 # ---- whole models -----------------------------------------------------------------------------------
 
 

@@ -309,16 +309,25 @@ def embedding_table(table) -> jax.Array:
   return jnp.asarray(np.asarray(table).view(jnp.bfloat16))
 
 
-def step_bytes(params) -> int:
-  """The bytes of weights one decode step reads: every leaf, except an embedding table whose packed
-  transposed copy (HEAD) sits beside it (the head reads the copy; the lookup gathers a few rows)."""
-  total = 0
-  for name, value in params.items():
-    if isinstance(value, dict):
-      total += step_bytes(value)
-    elif not (name == "embedding" and HEAD in params):
-      total += sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(value))
-  return total
+def step_bytes(params, tied_head: bool = True) -> int:
+  """The bytes of weights one decode step reads: every leaf, except what runs once per request (a
+  T5's encoder, and its decoder's cross-attention key / value kernels, which project the encoded
+  source before the first step) and an embedding table the head does not read (the lookup gathers a
+  few rows): one with a packed transposed copy (HEAD) beside it, or any table of a model whose head
+  is its own kernel (`tied_head` False, as config.tie_embeddings says)."""
+  def walk(tree, path):
+    total = 0
+    for name, value in tree.items():
+      if path == () and name == "encoder":
+        continue
+      if path[-1:] == ("encoder_decoder_attention",) and name in ("key", "value"):
+        continue
+      if isinstance(value, dict):
+        total += walk(value, path + (name,))
+      elif not (name == "embedding" and (HEAD in tree or not tied_head)):
+        total += sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(value))
+    return total
+  return walk(params, ())
 
 
 def is_packed(params) -> bool:
