@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import common
-from specjax import loading, timing
+from specjax import contracts, loading, timing
 from specjax.drafters.model import ModelDrafter
-from specjax.models import cpu_kernels
+from specjax.models import cpu_kernels, t5
 
 PRODUCTS, IN, OUT = 90, 576, 1536
 DTYPES = ("float32", "bfloat16")
@@ -138,16 +138,22 @@ def cpu_description() -> str:
 
 
 def step_bytes_and_flops(config, params, cache_length: int, tokens: int,
-                         weight_itemsize: int = 4) -> tuple[int, int]:
-  """(bytes a step must read: every weight in a dtype of `weight_itemsize` bytes + the valid float32
-  KV cache, FLOPs of scoring `tokens`): the matrix products 2 * (parameters touched) per token, the
-  head over the whole vocabulary included, and attention 4 * heads * head_dim * cache_length per
-  token and layer."""
-  weight_bytes = sum(x.size * weight_itemsize for x in jax.tree_util.tree_leaves(params))
-  kv_bytes = 2 * config.num_layers * cache_length * config.num_kv_heads * config.head_dim * 4
-  matrix_params = sum(x.size for x in jax.tree_util.tree_leaves(params) if x.ndim == 2)
-  attention = 4 * config.num_layers * config.num_heads * config.head_dim * cache_length
-  return weight_bytes + kv_bytes, tokens * (2 * matrix_params + attention)
+                         weight_itemsize: int = 4, source_length: int = 0) -> tuple[int, int]:
+  """(bytes a step must read: the weights a step reads (cpu_kernels.step_bytes: a T5's decoder
+  only) in a dtype of `weight_itemsize` bytes + the valid float32 KV cache (and a T5's
+  cross-attention keys and values of `source_length` tokens), FLOPs of scoring `tokens`): the
+  matrix products 2 * (parameters touched) per token, the head over the whole vocabulary included,
+  and attention 4 * heads * head_dim * (keys attended) per token and layer."""
+  tied = getattr(config, "tie_embeddings", True)
+  as_float32 = jax.tree_util.tree_map(lambda x: np.broadcast_to(np.float32(0), np.shape(x)), params)
+  weights = cpu_kernels.step_bytes(as_float32, tied) // 4  # the parameters a step reads
+  if hasattr(config, "num_decoder_layers"):  # T5: self-attention over the cache, cross over the source
+    layers, kv_heads, keys = config.num_decoder_layers, config.num_heads, cache_length + source_length
+  else:
+    layers, kv_heads, keys = config.num_layers, config.num_kv_heads, cache_length
+  kv_bytes = 2 * layers * keys * kv_heads * config.head_dim * 4
+  attention = 4 * layers * config.num_heads * config.head_dim * keys
+  return weights * weight_itemsize + kv_bytes, tokens * (2 * weights + attention)
 
 
 def main():
@@ -159,6 +165,11 @@ def main():
   parser.add_argument("--no_peer", action="store_true")
   parser.add_argument("--output", default="roofline")
   parser.add_argument("--variants", default="float32 xla,float32 cpu,bfloat16 cpu")
+  parser.add_argument("--checkpoint", default=loading.EMBEDDED_SMOLLM2,
+                      help="the target (default the embedded SmolLM2-135M; a T5 checkpoint directory "
+                      "such as out/t5_ende/target/hf works too)")
+  parser.add_argument("--source_tokens", type=int, default=24,
+                      help="a T5 target's encoder input length (its decoder starts from one token)")
   args = parser.parse_args()
   tokens = [int(t) for t in args.tokens.split(",")]
   rows = [int(r) for r in args.rows.split(",")]
@@ -194,10 +205,17 @@ def main():
   peak = {dtype: max(max(r["library_gflops"] or 0, r["xla_gflops"], r["cpu_kernels_gflops"] or 0)
                      for r in matmul if r["dtype"] == dtype) for dtype in DTYPES}
 
-  target = loading.load_model()
+  target = loading.load_model(args.checkpoint)
   config = target.config
-  prompt = (jnp.full((1, args.prompt), 7, jnp.int32), jnp.asarray([args.prompt], jnp.int32))
-  cache_length = args.prompt + max(tokens) + 2
+  if target.encoder_decoder:  # the encoder's input, and the decoder's start token as its prompt
+    source = contracts.Source(jnp.full((1, args.source_tokens), 7, jnp.int32),
+                              jnp.asarray([args.source_tokens], jnp.int32))
+    prompt, source_length = t5.decoder_prompt(config, 1), args.source_tokens
+  else:
+    source, source_length = None, 0
+    prompt = (jnp.full((1, args.prompt), 7, jnp.int32), jnp.asarray([args.prompt], jnp.int32))
+  prompt_length = int(prompt[1][0])
+  cache_length = prompt_length + max(tokens) + 2
   verify = []
   for variant in args.variants.split(","):
     dtype_name, kernels = variant.split()
@@ -205,14 +223,14 @@ def main():
       print(f"{variant}: left out ({cpu_kernels.BUILD_FIX})", file=sys.stderr)
       continue
     model, params = common.decoding_variant(target, dtype_name, kernels)
-    state = common.fresh_state(ModelDrafter(model), params, prompt, cache_length)
+    state = common.fresh_state(ModelDrafter(model), params, prompt, cache_length, source)
     rows = []
     for t in tokens:
       fresh = jax.tree_util.tree_map(jnp.copy, state)  # the timer donates the state it is given
       ms = 1000 * timing.step_seconds(timing.forward_step(model), params, fresh,
                                       *timing.one_token(prompt, t), args.repeats, rounds=3)
-      read, flops = step_bytes_and_flops(config, target.params, args.prompt + t, t,
-                                         jnp.dtype(dtype_name).itemsize)
+      read, flops = step_bytes_and_flops(config, target.params, prompt_length + t, t,
+                                         jnp.dtype(dtype_name).itemsize, source_length)
       floor = max(read / (best_bandwidth * 1e9), flops / (peak[dtype_name] * 1e9))
       rows.append({"variant": variant, "tokens": t, "step_ms": ms, "floor_ms": 1000 * floor,
                    "bandwidth_floor_ms": 1000 * read / (best_bandwidth * 1e9)})
@@ -227,7 +245,12 @@ def main():
           "jax": jax.__version__, "bandwidth_gbps": bandwidth,
           "peer_bandwidth_gbps": None if peer is None else peer["bandwidth_gbps"],
           "floor_bandwidth_gbps": best_bandwidth,
-          "ridge_flop_per_byte": ridge, "prompt": args.prompt, "repeats": args.repeats}
+          "ridge_flop_per_byte": ridge, "prompt": prompt_length, "repeats": args.repeats,
+          "target": args.checkpoint, "source_tokens": source_length}
+  target_name = ("SmolLM2-135M" if args.checkpoint == loading.EMBEDDED_SMOLLM2
+                 else f"{args.checkpoint} ({t5.num_params(config) / 1e6:.1f} M parameters)"
+                 if target.encoder_decoder else args.checkpoint)
+  source_note = f" (its encoder's input {source_length} tokens)" if source else ""
   lines = [f"{datetime.date.today()}, {meta['machine']}, {meta['cpus']} cores: "
            f"`python benchmarks/roofline.py {' '.join(sys.argv[1:])}`", "",
            f"Read bandwidth: XLA {bandwidth:.1f} GB/s"
@@ -244,8 +267,8 @@ def main():
   lines += ["", "Ridge points (peak FLOP/s over read bytes/s): " + "; ".join(
       f"{d} XLA {ridge[d]['xla']:.1f}, torch {ridge[d]['library']:.1f}, CPU kernels "
       f"{ridge[d]['cpu_kernels']:.1f} FLOP/byte" for d in DTYPES),
-      "", f"SmolLM2-135M, batch 1 after {args.prompt} tokens: the forward on T tokens against its "
-      "floor", "", "| variant | T | step ms | floor ms | v(T) | v floor | step / floor |",
+      "", f"{target_name}, batch 1 after {prompt_length} tokens{source_note}: the forward on T "
+      "tokens against its floor", "", "| variant | T | step ms | floor ms | v(T) | v floor | step / floor |",
       "|---|---|---|---|---|---|---|"]
   for r in verify:
     lines.append(f"| {r['variant']} | {r['tokens']} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | "

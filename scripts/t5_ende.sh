@@ -3,7 +3,7 @@
 # pairs of every gettext catalog offline and its three distilled drafts, then run Leviathan et al.'s
 # Tables 2 / 3 (configs/t5_ende/sweep.gin) and 5 (lenience.gin) on the held-out wagtail, django-allauth
 # and sphinx messages, and the greedy check of every held-out message (BLEU / chrF, outputs equal to the
-# target's). About 1.7 hours on a 2-core CPU (2026-12-06); not part of scripts/main.sh. Every step shows progress
+# target's). About 2.3 hours on a 2-core CPU (2026-12-06 / 07); not part of scripts/main.sh. Every step shows progress
 # with an ETA; a killed run resumes where it stopped, and a finished model or sweep row is reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
