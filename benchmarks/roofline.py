@@ -250,7 +250,7 @@ def main():
   target_name = ("SmolLM2-135M" if args.checkpoint == loading.EMBEDDED_SMOLLM2
                  else f"{args.checkpoint} ({t5.num_params(config) / 1e6:.1f} M parameters)"
                  if target.encoder_decoder else args.checkpoint)
-  source_note = f" (its encoder's input {source_length} tokens)" if source else ""
+  source_note = f" (its encoder's input {source_length} tokens)" if source is not None else ""
   lines = [f"{datetime.date.today()}, {meta['machine']}, {meta['cpus']} cores: "
            f"`python benchmarks/roofline.py {' '.join(sys.argv[1:])}`", "",
            f"Read bandwidth: XLA {bandwidth:.1f} GB/s"
