@@ -144,9 +144,8 @@ def step_bytes_and_flops(config, params, cache_length: int, tokens: int,
   cross-attention keys and values of `source_length` tokens), FLOPs of scoring `tokens`): the
   matrix products 2 * (parameters touched) per token, the head over the whole vocabulary included,
   and attention 4 * heads * head_dim * (keys attended) per token and layer."""
-  tied = getattr(config, "tie_embeddings", True)
   as_float32 = jax.tree_util.tree_map(lambda x: np.broadcast_to(np.float32(0), np.shape(x)), params)
-  weights = cpu_kernels.step_bytes(as_float32, tied) // 4  # the parameters a step reads
+  weights = cpu_kernels.step_bytes(as_float32, config) // 4  # the parameters a step reads
   if hasattr(config, "num_decoder_layers"):  # T5: self-attention over the cache, cross over the source
     layers, kv_heads, keys = config.num_decoder_layers, config.num_heads, cache_length + source_length
   else:

@@ -105,8 +105,7 @@ class StepCosts:
     # The floor of a target step: its weights' bytes over the read bandwidth measured here (a step
     # scoring up to ~8 tokens is bound by that read on CPUs: docs/results.md, the roofline).
     self.bandwidth_gbps = timing.read_bandwidth_gbps()
-    weight_bytes = cpu_kernels.step_bytes(
-        target.params, getattr(target.config, "tie_embeddings", True))
+    weight_bytes = cpu_kernels.step_bytes(target.params, target.config)
     self.target_floor_ms = 1000 * weight_bytes / (self.bandwidth_gbps * 1e9)
     logging.info("target step %.1f ms, its floor %.1f ms (%.0f MB at %.1f GB/s)",
                  self.step_ms["target"], self.target_floor_ms, weight_bytes / 1e6, self.bandwidth_gbps)

@@ -311,9 +311,9 @@ def test_a_t5_steps_bytes_are_its_decoders_per_step_weights(tied, packed):
   params = random_t5_params(config, seed=3)
   if packed:
     params = cpu_kernels.pack_params_for(config, params)
-  assert cpu_kernels.step_bytes(params, tied) == expected
+  assert cpu_kernels.step_bytes(params, config) == expected
   whole = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params))
-  assert cpu_kernels.step_bytes(params, tied) < whole  # the encoder and the rest were left out
+  assert cpu_kernels.step_bytes(params, config) < whole  # the encoder and the rest were left out
 
 
 # ---- whole models -----------------------------------------------------------------------------------

@@ -309,12 +309,13 @@ def embedding_table(table) -> jax.Array:
   return jnp.asarray(np.asarray(table).view(jnp.bfloat16))
 
 
-def step_bytes(params, tied_head: bool = True) -> int:
-  """The bytes of weights one decode step reads: every leaf, except what runs once per request (a
-  T5's encoder, and its decoder's cross-attention key / value kernels, which project the encoded
-  source before the first step) and an embedding table the head does not read (the lookup gathers a
-  few rows): one with a packed transposed copy (HEAD) beside it, or any table of a model whose head
-  is its own kernel (`tied_head` False, as config.tie_embeddings says)."""
+def step_bytes(params, config) -> int:
+  """The bytes of weights one decode step of the model `config` describes reads: every leaf, except
+  what runs once per request (a T5's encoder, and its decoder's cross-attention key / value kernels,
+  which project the encoded source before the first step) and an embedding table the head does not
+  read (the lookup gathers a few rows): one with a packed transposed copy (HEAD) beside it, or any
+  table of a model whose head is its own kernel (config.tie_embeddings False)."""
+  tied_head = config.tie_embeddings
   def walk(tree, path):
     total = 0
     for name, value in tree.items():
