@@ -32,8 +32,12 @@ from specjax import validation
 class Tree:
   """A static candidate tree. Each non-root node is named by its ranks from the root: (0, 2) is the
   third candidate (at depth 2) below the first candidate (at depth 1). Every prefix of a path is a node.
-  Nodes are numbered root first, then by depth, then by path, so a parent precedes its children."""
+  Nodes are numbered root first, then by depth, then by path, so a parent precedes its children.
+
+  top_k > 0 marks a dynamic tree (`Tree.dynamic`): its paths only fix the node count and the depth,
+  and the drafter sends each round's parents with its proposal."""
   paths: tuple[tuple[int, ...], ...]
+  top_k: int = 0
 
   def __post_init__(self):
     paths = tuple(sorted({tuple(int(r) for r in p) for p in self.paths}, key=lambda p: (len(p), p)))
@@ -70,10 +74,29 @@ class Tree:
                      for p in itertools.product(*[range(w) for w in widths[:d]])))
 
   @classmethod
+  def dynamic(cls, nodes: int, depth: int, top_k: int) -> "Tree":
+    """A budget of `nodes` candidates reaching at most `depth`, grown afresh every round by a
+    drafter that expands the `top_k` most probable nodes of each depth (EAGLE-2 / EAGLE-3): at most
+    top_k + (depth - 1) top_k^2 nodes exist to pick from. Its static paths (the chain of `depth`,
+    the rest as siblings at depth 1) only size the programs; the drafter sends the parents."""
+    _check_positive(nodes=nodes, depth=depth, top_k=top_k)
+    _check_size(nodes, f"dynamic:{nodes},{depth},{top_k}")
+    grown = top_k + (depth - 1) * top_k * top_k
+    if not depth <= nodes <= grown:
+      raise ValueError(f"a dynamic tree of depth {depth} expanding the top {top_k} holds {depth} to "
+                       f"{grown} candidates, not {nodes}; change nodes, depth or top_k")
+    return cls(tuple((0,) * d for d in range(1, depth + 1)) +
+               tuple((r,) for r in range(1, nodes - depth + 1)), top_k)
+
+  @classmethod
   def from_name(cls, name: str) -> "Tree":
-    """'chain:4', 'spine:4x3' (depth x width) or 'full:3,2,1' (widths per depth)."""
+    """'chain:4', 'spine:4x3' (depth x width), 'full:3,2,1' (widths per depth) or 'dynamic:16,5,4'
+    (nodes, depth, top-k: `Tree.dynamic`)."""
     kind, _, shape = name.partition(":")
     try:
+      if kind == "dynamic":
+        nodes, depth, top_k = (int(v) for v in shape.split(","))
+        return cls.dynamic(nodes, depth, top_k)
       if kind == "chain":
         return cls.chain(int(shape))
       if kind == "spine":
@@ -82,13 +105,15 @@ class Tree:
       if kind == "full":
         return cls.full([int(w) for w in shape.split(",")])
     except (AttributeError, ValueError) as error:
-      raise ValueError(f"cannot read tree {name!r}: {error}; write chain:D, spine:DxW or "
-                       "full:W1,W2,...") from None
-    raise ValueError(f"unknown tree kind {kind!r} in {name!r}; write chain:D, spine:DxW or "
-                     "full:W1,W2,...")
+      raise ValueError(f"cannot read tree {name!r}: {error}; write chain:D, spine:DxW, "
+                       "full:W1,W2,... or dynamic:N,D,K") from None
+    raise ValueError(f"unknown tree kind {kind!r} in {name!r}; write chain:D, spine:DxW, "
+                     "full:W1,W2,... or dynamic:N,D,K")
 
   @functools.cached_property
   def name(self) -> str:
+    if self.top_k:
+      return f"dynamic:{self.size - 1},{self.depth},{self.top_k}"
     if self == Tree.spine(self.depth, self.width):
       return f"chain:{self.depth}" if self.width == 1 else f"spine:{self.depth}x{self.width}"
     widths = [max(p[-1] for p in self.paths if len(p) == d) + 1 for d in range(1, self.depth + 1)]
@@ -112,7 +137,7 @@ class Tree:
 
   @property
   def is_chain(self) -> bool:
-    return self.width == 1
+    return self.width == 1 and not self.top_k
 
   @functools.cached_property
   def parents(self) -> np.ndarray:

@@ -7,4 +7,6 @@
   lookup     prompt lookup, alone or in front of any drafter
   heads      Medusa heads on the target's hidden state (trained by specjax.training.heads)
   mtp        a shared MTP head applied recursively on it
+  dflash     a block drafter reading several of the target's layers (trained by training.dflash)
+  eagle3     EAGLE-3: one layer over three of them, growing a dynamic tree (training.eagle3)
 """

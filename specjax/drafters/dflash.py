@@ -29,7 +29,6 @@ lossless; they differ in how many tokens they keep.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 
 import jax
@@ -120,7 +119,7 @@ def init_params(config: DFlashConfig, rng) -> dict:
   return params
 
 
-def _norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   x = x.astype(jnp.float32)
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
@@ -128,7 +127,7 @@ def _norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 def project_context(config: DFlashConfig, params: dict, features: jax.Array) -> jax.Array:
   """features[..., n E] (the target's, any float dtype) -> the context vectors [..., E] float32."""
   projected = layers.dense(features.astype(jnp.float32), params["fc"], float32_out=True)
-  return _norm(projected, params["context_norm"], config.norm_eps)
+  return rms_norm(projected, params["context_norm"], config.norm_eps)
 
 
 def context_kv(config: DFlashConfig, params: dict, context: jax.Array, positions: jax.Array):
@@ -157,7 +156,7 @@ def block_hidden(config: DFlashConfig, params: dict, x: jax.Array, positions: ja
   x = x.astype(jnp.float32)
   for i, (context_keys, context_values) in enumerate(cached):
     layer = params[f"layers_{i}"]
-    normed = _norm(x, layer["attn_norm"], config.norm_eps)
+    normed = rms_norm(x, layer["attn_norm"], config.norm_eps)
     q = layers.rope(layers.dense(normed, layer["wq"], float32_out=True).reshape(batch, steps, h, d),
                     positions, config.rope_theta)
     k = layers.rope(layers.dense(normed, layer["wk"], float32_out=True).reshape(batch, steps, kv, d),
@@ -170,11 +169,11 @@ def block_hidden(config: DFlashConfig, params: dict, x: jax.Array, positions: ja
     weights = jax.nn.softmax(jnp.where(visible, scores, jnp.finfo(jnp.float32).min), axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", weights, values).reshape(batch, steps, h * d)
     x = x + layers.dense(out, layer["wo"], float32_out=True)
-    normed = _norm(x, layer["mlp_norm"], config.norm_eps)
+    normed = rms_norm(x, layer["mlp_norm"], config.norm_eps)
     gated = jax.nn.silu(layers.dense(normed, layer["w_gate"], float32_out=True))
     x = x + layers.dense(gated * layers.dense(normed, layer["w_up"], float32_out=True),
                          layer["w_down"], float32_out=True)
-  return _norm(x, params["final_norm"], config.norm_eps)
+  return rms_norm(x, params["final_norm"], config.norm_eps)
 
 
 def block_tokens(config: DFlashConfig, roots: jax.Array) -> jax.Array:
@@ -358,40 +357,18 @@ def save(directory, params: dict, config: DFlashConfig, head_tokens, target_conf
          fingerprint: str, metadata: dict | None = None) -> pathlib.Path:
   """directory/dflash.npz + heads.json (kind "dflash", the drafter's config, the target's
   fingerprint, `metadata`); heads.json is written last, so a directory holding it is complete."""
-  directory = pathlib.Path(directory)
-  directory.mkdir(parents=True, exist_ok=True)
-  arrays = {name: np.asarray(jax.device_get(value), np.float32)
-            for name, value in flatten(params).items()}
-  if head_tokens is not None:
-    arrays["head_tokens"] = np.asarray(head_tokens, np.int32)
-  tmp = directory / (WEIGHTS_FILE + ".tmp.npz")
-  np.savez(tmp, **arrays)
-  tmp.replace(directory / WEIGHTS_FILE)
-  meta = {"format": heads.FORMAT, "kind": KIND, "embed_dim": config.embed_dim,
-          "vocab_size": int(target_config.vocab_size),
-          "head_size": 0 if head_tokens is None else len(arrays["head_tokens"]),
-          "target_fingerprint": fingerprint, "config": dataclasses.asdict(config),
-          **(metadata or {})}
-  tmp = directory / (heads.METADATA_FILE + ".tmp")
-  tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-  tmp.replace(directory / heads.METADATA_FILE)
-  return directory
+  return heads.write_saved(directory, WEIGHTS_FILE, flatten(jax.device_get(params)), head_tokens,
+                           target_config, fingerprint,
+                           {"kind": KIND, "embed_dim": config.embed_dim,
+                            "config": dataclasses.asdict(config), **(metadata or {})})
 
 
 def load(directory, target_config, target_params, tree: trees.Tree, sample: bool = False):
   """(the drafter of `tree`, its params) for `target`, after checking it was trained for it: a
   SampledDFlash where `sample` asks for it and the tree is a chain, else a DFlashDrafter."""
-  directory = pathlib.Path(directory)
-  meta = heads.read_metadata(directory)
-  if meta.get("kind") != KIND:
-    raise ValueError(f"{directory} holds {meta.get('kind', 'Medusa')} heads, not a DFlash drafter: "
-                     f"name it {meta.get('kind', 'heads')}:{directory}")
-  heads.check_target(meta, target_config, target_params, where=f"the DFlash drafter in {directory}",
-                     command=TRAIN_COMMAND)
+  meta, flat, head_tokens = heads.read_drafter(directory, KIND, "DFlash drafter", WEIGHTS_FILE,
+                                               target_config, target_params, TRAIN_COMMAND)
   config = DFlashConfig(**meta["config"])
-  with np.load(directory / WEIGHTS_FILE) as arrays:
-    flat = {name: arrays[name] for name in arrays.files if name != "head_tokens"}
-    head_tokens = arrays["head_tokens"] if "head_tokens" in arrays.files else None
   params = drafter_params(unflatten(flat), head_tokens, target_config, target_params)
   if sample and tree.is_chain:
     return SampledDFlash(config, tree.depth, target_config.vocab_size), params

@@ -213,14 +213,15 @@ def save_heads(directory, heads: dict, head_tokens, target_config, fingerprint: 
 def write_saved(directory, weights_file: str, arrays: dict, head_tokens, target_config,
                 fingerprint: str, metadata: dict) -> pathlib.Path:
   """Write float32 `arrays` (+ head_tokens int32) to directory/weights_file, then heads.json (format,
-  embed_dim from arrays["kernel"], vocab_size, head_size, target_fingerprint, `metadata`). Each
+  embed_dim from arrays["kernel"] or metadata, vocab_size, head_size, target_fingerprint, `metadata`). Each
   file is written aside and renamed; heads.json comes last, so a directory with it is complete."""
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   arrays = {name: np.asarray(value, np.float32) for name, value in arrays.items()}
   if head_tokens is not None:
     arrays["head_tokens"] = np.asarray(head_tokens, np.int32)
-  meta = {"format": FORMAT, "embed_dim": int(arrays["kernel"].shape[-1]),
+  # The width: the heads' kernel's, or metadata's "embed_dim" for a drafter without one.
+  meta = {"format": FORMAT, "embed_dim": int(metadata.get("embed_dim") or arrays["kernel"].shape[-1]),
           "vocab_size": int(target_config.vocab_size),
           "head_size": 0 if head_tokens is None else int(len(arrays["head_tokens"])),
           "target_fingerprint": fingerprint, **metadata}
@@ -286,6 +287,23 @@ def check_target(meta: dict, target_config, target_params, where="these heads",
                      "states of the exact weights they were trained on, so they would propose noise "
                      f"here: train heads for this target with `{command}` and "
                      "specs.ModelSpec.checkpoint bound to its checkpoint, or load this target's own")
+
+
+def read_drafter(directory, kind: str, label: str, weights_file: str, target_config, target_params,
+                 command: str) -> tuple[dict, dict, np.ndarray | None]:
+  """(heads.json, the weights by name, head_tokens or None) of a saved drafter of `kind` (label:
+  how errors name it), after checking the directory holds that kind, trained for this target."""
+  directory = pathlib.Path(directory)
+  meta = read_metadata(directory)
+  if meta.get("kind") != kind:
+    raise ValueError(f"{directory} holds {meta.get('kind', 'Medusa')} heads, not {label}: name it "
+                     f"{meta.get('kind', 'heads')}:{directory}")
+  check_target(meta, target_config, target_params, where=f"the {label} in {directory}",
+               command=command)
+  with np.load(directory / weights_file) as arrays:
+    weights = {name: arrays[name] for name in arrays.files if name != "head_tokens"}
+    head_tokens = arrays["head_tokens"] if "head_tokens" in arrays.files else None
+  return meta, weights, head_tokens
 
 
 def load_heads(directory, target_config, target_params, tree: trees.Tree

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from specjax import contracts, loading
 from specjax.decoding.tree import Tree
-from specjax.drafters import dflash, expansion, heads, lookup, model, mtp, tables
+from specjax.drafters import dflash, eagle3, expansion, heads, lookup, model, mtp, tables
 from specjax.models import cpu_kernels
 
 LOOKUP_FRONT = "lookup+"
@@ -221,6 +221,9 @@ def build(name, target: Target, tree: Tree, sample: bool = True, memo: dict | No
                                spec.option("lookup_min_ngram", 2))
   if isinstance(made, contracts.TokenDrafter):
     made = expansion.expand(made, tree, sample)
+  if tree.top_k and not getattr(made, "grows_trees", False):
+    raise ValueError(f"the {spec.name} drafter ranks candidates for a static tree; the dynamic tree "
+                     f"{tree.name} is grown by a drafter that scores its own paths (eagle3:<path>)")
   if made.tree != tree:
     raise ValueError(f"the {spec.name} drafter proposes {made.tree.name}, not {tree.name}")
   return made, params
@@ -287,3 +290,9 @@ register(Kind(
     # behind prompt lookup, which fronts ranked candidates only.
     build=lambda spec, target, tree, sample: dflash.load(
         spec.checkpoint, target.config, target.params, tree, sample and not spec.lookup_front)))
+register(Kind(
+    "eagle3", label="EAGLE-3", checkpoint=True, plan=_NOTHING, decoder_only=True, per_tree=True,
+    missing="train it first (python -m specjax.train --gin_file=configs/smollm2_eagle3.gin writes "
+            "out/smollm2_eagle3/eagle3)",
+    build=lambda spec, target, tree, sample: eagle3.load(
+        spec.checkpoint, target.config, target.params, tree)))

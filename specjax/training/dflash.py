@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import pathlib
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -219,18 +220,22 @@ def teacher_terms(frozen: dict, batch: dict, labelled: jax.Array):
 
 
 class Trainer:
-  """The jitted train and eval steps over the frozen embedding and output rows."""
+  """The jitted train and eval steps over the frozen embedding and output rows. `terms(config,
+  params, frozen, batch) -> (logits [N, M, K, S], head columns [N, M, K], labelled [N, M, K])`
+  scores K tokens after each of M anchors (default: DFlash's blocks, `block_terms`; the EAGLE-3
+  drafter's unroll shares the rest); `drafter_spec` gives position_weights() [K] and
+  distill_weight."""
 
-  def __init__(self, config: dflash.DFlashConfig, frozen: dict, spec: TrainSpec,
-               dflash_spec: DFlashSpec):
+  def __init__(self, config, frozen: dict, spec: TrainSpec, drafter_spec, terms=None):
     self.spec, self.config = spec, config
     self.frozen = jax.tree_util.tree_map(jnp.asarray, frozen)
     self.optimizer = make_optimizer(spec)
-    weights = jnp.asarray(dflash_spec.position_weights())
-    distill = dflash_spec.distill_weight
+    weights = jnp.asarray(drafter_spec.position_weights())
+    distill = drafter_spec.distill_weight
+    terms = terms or block_terms
 
     def cross_entropy(params, batch):
-      logits, columns, labelled = block_terms(config, params, batch["frozen"], batch)
+      logits, columns, labelled = terms(config, params, batch["frozen"], batch)
       logq = jax.nn.log_softmax(logits, axis=-1)
       ce = -jnp.take_along_axis(logq, jnp.maximum(columns, 0)[..., None], axis=-1)[..., 0]
       return logits, logq, jnp.where(columns >= 0, ce, 0.0), columns, labelled
@@ -279,6 +284,26 @@ class Trainer:
 
 # ---- the whole run ----------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class Anchored:
+  """A drafter trained on anchors of the teacher sequences with `Trainer` (DFlash here, EAGLE-3 in
+  training/eagle3.py): its kind (also its output subdirectory), what the progress bar calls it,
+  its config for a target and its spec, its initial params, its `terms` and its `save`."""
+  kind: str
+  label: str
+  make_config: Callable
+  init_params: Callable
+  terms: Callable
+  save: Callable
+
+
+DFLASH = Anchored(
+    dflash.KIND, "DFlash",
+    lambda target_config, spec: dflash.DFlashConfig.for_target(
+        target_config, spec.block_size, spec.num_layers, spec.num_features, spec.mask_token),
+    dflash.init_params, block_terms, dflash.save)
+
+
 def train(output_dir: str = "out/smollm2_dflash", target=None, dflash_spec: DFlashSpec = DFlashSpec(),
           teacher: TeacherSpec = TeacherSpec(), training: TrainSpec = TrainSpec(), seed: int = 0,
           stop_after_step: int | None = None) -> dict:
@@ -292,15 +317,14 @@ def train(output_dir: str = "out/smollm2_dflash", target=None, dflash_spec: DFla
 
 
 def train_on_sequences(output_dir, loss_log: outputs.RowsFile | None, target_config, target_params,
-                       train_seqs: Sequences, val_seqs: Sequences, dflash_spec: DFlashSpec,
-                       training: TrainSpec, seed: int, stop_after_step: int | None = None,
-                       metadata: dict | None = None, teacher_seconds: float = 0.0) -> dict:
-  """Stages 2-4 for a target already in memory. Returns the summary (not written)."""
+                       train_seqs: Sequences, val_seqs: Sequences, dflash_spec, training: TrainSpec,
+                       seed: int, stop_after_step: int | None = None, metadata: dict | None = None,
+                       teacher_seconds: float = 0.0, drafter: Anchored = DFLASH) -> dict:
+  """Stages 2-4 for a target already in memory (`dflash_spec`: the drafter's spec, a DFlashSpec
+  or what `drafter` takes). Returns the summary (not written)."""
   output_dir = pathlib.Path(output_dir)
   started = time.perf_counter()
-  config = dflash.DFlashConfig.for_target(target_config, dflash_spec.block_size,
-                                          dflash_spec.num_layers, dflash_spec.num_features,
-                                          dflash_spec.mask_token)
+  config = drafter.make_config(target_config, dflash_spec)
   fingerprint = heads.target_fingerprint(target_config, target_params)
   both = Sequences.concat([train_seqs, val_seqs])
   features = train_heads.cached_features(target_config, target_params, fingerprint, both,
@@ -318,13 +342,13 @@ def train_on_sequences(output_dir, loss_log: outputs.RowsFile | None, target_con
   per_batch = max(1, training.tokens_per_batch // dflash_spec.sequence_length)
   batches = Batches(train_windows, per_batch, dflash_spec.anchors, seed)
   held_out = validation_batches(val_windows, per_batch, dflash_spec.anchors, seed)
-  trainer = Trainer(config, frozen, training, dflash_spec)
-  initial = dflash.init_params(config, jax.random.PRNGKey(seed))
+  trainer = Trainer(config, frozen, training, dflash_spec, drafter.terms)
+  initial = drafter.init_params(config, jax.random.PRNGKey(seed))
   before = trainer.evaluate(initial, held_out)
   logging.info("held-out before training: %s", before)
   fit_start = time.perf_counter()
   params, _ = fit(trainer, initial, batches, seed, output_dir / "checkpoints",
-                  stop_after_step=stop_after_step, desc="train DFlash",
+                  stop_after_step=stop_after_step, desc=f"train {drafter.label}",
                   on_loss=None if loss_log is None else loss_logger(loss_log),
                   validate=lambda p: {"loss": trainer.evaluate(p, held_out)["loss"]})
   if stop_after_step is not None and stop_after_step < training.steps:
@@ -333,12 +357,13 @@ def train_on_sequences(output_dir, loss_log: outputs.RowsFile | None, target_con
   train_seconds = time.perf_counter() - fit_start
   after = trainer.evaluate(params, held_out)
   logging.info("held-out after training: %s", after)
-  dflash.save(output_dir / "dflash", params, config, head_tokens, target_config, fingerprint,
-              {**(metadata or {}), "validation": outputs.jsonable(after)})
-  return {"target_fingerprint": fingerprint, "kind": dflash.KIND, "config": dataclasses.asdict(config),
+  drafter.save(output_dir / drafter.kind, params, config, head_tokens, target_config, fingerprint,
+               {**(metadata or {}), "validation": outputs.jsonable(after)})
+  return {"target_fingerprint": fingerprint, "kind": drafter.kind,
+          "config": dataclasses.asdict(config),
           "train_sequences": len(train_seqs), "validation_sequences": len(val_seqs),
           "validation_before": before, "validation_after": after,
           "loss_curve": ([] if loss_log is None else sorted(
               (row["step"], row["loss"]) for row in outputs.read_rows(loss_log.path))),
           "teacher_seconds": teacher_seconds, "features_seconds": features_seconds,
-          "train_seconds": train_seconds, "dflash": str(output_dir / "dflash")}
+          "train_seconds": train_seconds, drafter.kind: str(output_dir / drafter.kind)}
