@@ -156,14 +156,18 @@ def test_training_lowers_held_out_loss_and_the_loop_keeps_its_tokens(tmp_path, c
   expected = autoregressive.make_generate(model, autoregressive.DecodeShape(32))(
       target_params, prompts, lengths, jax.random.PRNGKey(0), 0.0)
   directory = tmp_path / "eagle3" / "eagle3"
-  for tree in (Tree.chain(4), Tree.dynamic(8, 4, 3)):
-    drafter, params = registry.build(f"eagle3:{directory}", registry.Target(TARGET, target_params),
-                                     tree)
+  for name, tree in ((f"eagle3:{directory}", Tree.chain(4)),
+                     (f"lookup+eagle3:{directory}", Tree.chain(4)),
+                     (f"eagle3:{directory}", Tree.dynamic(8, 4, 3))):
+    drafter, params = registry.build(name, registry.Target(TARGET, target_params), tree)
     out = core.make_decode(model, drafter, core.DecodeConfig(32))(
         target_params, params, prompts, lengths, jax.random.PRNGKey(0), 0.0)
     np.testing.assert_array_equal(out.tokens, expected.tokens)
     tokens_per_call = (np.asarray(out.num_generated) - 1).sum() / (8 * int(out.target_calls))
-    assert tokens_per_call > 3.0, (tree.name, tokens_per_call)
+    assert tokens_per_call > 3.0, (name, tree.name, tokens_per_call)
+  with pytest.raises(ValueError, match="grown by a drafter"):  # lookup in front ranks a static tree
+    registry.build(f"lookup+eagle3:{directory}", registry.Target(TARGET, target_params),
+                   Tree.dynamic(8, 4, 3))
   with pytest.raises(ValueError, match="grows its own tree"):
     registry.build(f"eagle3:{directory}", registry.Target(TARGET, target_params),
                    Tree.from_name("spine:4x2"))

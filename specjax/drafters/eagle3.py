@@ -36,7 +36,7 @@ import numpy as np
 from specjax import contracts
 from specjax.contracts import DraftContext, Proposal
 from specjax.decoding import tree as trees
-from specjax.drafters import dflash, heads
+from specjax.drafters import dflash, expansion, heads
 from specjax.models import cpu_kernels, layers
 
 KIND = "eagle3"
@@ -191,13 +191,12 @@ def pick_tree(scores: jax.Array, parents: jax.Array, nodes: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter:
-  """Drafts `tree`: a dynamic tree (Tree.dynamic), or a chain (its top-1 path). State: the context
-  entries' (keys, values) [B, max_length, kv, d]; entry q in slot q."""
+class Eagle3Drafter(expansion.Ranked):
+  """Drafts `tree`: a dynamic tree (Tree.dynamic), or a chain (its top-1 path; as ranked candidates
+  of width 1, prompt lookup can go in front of it). State: the context entries' (keys, values)
+  [B, max_length, kv, d]; entry q in slot q."""
   config: Eagle3Config
   tree: trees.Tree
-  sampled = False
-  num_uniforms = 0
   grows_trees = True
   encoder_decoder: bool = dataclasses.field(default=False, init=False)
 
@@ -312,6 +311,14 @@ class Eagle3Drafter:
     k = self.top_k
     return np.concatenate([np.full(k, 1)] + [np.full(k * k, d) for d in
                                              range(2, self.tree.depth + 1)]).astype(np.int32)
+
+  def candidates(self, params, state, context: DraftContext, depth: int, width: int):
+    """The chain's tokens as ranked candidates [B, depth, 1] (lookup.TreeLookupFront reads them)."""
+    if self.tree.top_k or width != 1 or depth != self.tree.depth:
+      raise ValueError("an EAGLE-3 drafter ranks one candidate per depth of its chain; a tree of "
+                       "its own is grown by its draft (dynamic:N,D,K), without lookup in front")
+    tokens, _, _, state = self.grow(params, state, context)
+    return tokens[:, :, None], state
 
   def draft(self, params, state, context: DraftContext, uniforms, transform):
     del uniforms, transform  # point masses: candidates ranked by the drafter's own probabilities
