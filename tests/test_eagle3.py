@@ -70,8 +70,8 @@ def test_the_tree_is_the_best_nodes_offered_with_every_parent():
   it, and the depths those of the offer."""
   rng = np.random.default_rng(0)
   k, depth, nodes, batch = 3, 4, 10, 50
-  drafter = eagle3.Eagle3Drafter(None, Tree.dynamic(nodes, depth, k))
-  depths = drafter.offer_depths()
+  # The offer as Eagle3Drafter.grow lays it out: depth 1's k nodes, then k * k per depth.
+  depths = np.concatenate([np.full(k, 1)] + [np.full(k * k, d) for d in range(2, depth + 1)])
   offer = len(depths)
   parents = np.full((batch, offer), -1)
   scores = np.zeros((batch, offer), np.float32)

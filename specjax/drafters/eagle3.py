@@ -230,13 +230,13 @@ class Eagle3Drafter(expansion.Ranked):
     # the first drafted round (its token is the one the target samples after the prompt).
     following = jnp.concatenate([prompt_tokens[:, 1:], prompt_tokens[:, -1:]], axis=1)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    _, keys, values = self._entries(params, features, following, positions)
+    _, keys, values = self._entries(params, fuse(params["eagle3"], features), following, positions)
     valid = positions + 1 < prompt_lengths[:, None]
     return self._write((empty, empty), keys, values, positions, valid)
 
-  def _entries(self, params, features, tokens, positions):
-    return entry(self.config, params["eagle3"], fuse(params["eagle3"], features),
-                 layers.embed(params["embed_rows"], tokens), positions)
+  def _entries(self, params, fused, tokens, positions):
+    return entry(self.config, params["eagle3"], fused, layers.embed(params["embed_rows"], tokens),
+                 positions)
 
   @staticmethod
   def _write(state, keys, values, positions, valid):
@@ -253,13 +253,14 @@ class Eagle3Drafter(expansion.Ranked):
     offsets = jnp.arange(count, dtype=jnp.int32)[None, :]
     positions = jnp.maximum(context.position[:, None] - context.feature_count[:, None] + offsets, 0)
     tokens = jnp.take_along_axis(context.history, positions + 1, axis=1)
-    q, keys, values = self._entries(params, context.features, tokens, positions)
+    fused = fuse(params["eagle3"], context.features)
+    q, keys, values = self._entries(params, fused, tokens, positions)
     state = self._write(state, keys, values, positions, offsets < context.feature_count[:, None])
     newest = (context.feature_count - 1)[:, None, None, None]
     q = jnp.take_along_axis(q, newest, axis=1)
     visible = (jnp.arange(state[0].shape[1]) < context.position[:, None])[:, None, :]
     attended = attend(self.config, q, state[0], state[1], visible)
-    g = jnp.take_along_axis(fuse(params["eagle3"], context.features), newest[..., 0], axis=1)
+    g = jnp.take_along_axis(fused, newest[..., 0], axis=1)
     return finish(self.config, params["eagle3"], g, attended)[:, 0], state
 
   def grow(self, params, state, context: DraftContext):
@@ -306,11 +307,6 @@ class Eagle3Drafter(expansion.Ranked):
       offered += k * k
     return (jnp.concatenate(offer_tokens, 1), jnp.concatenate(offer_scores, 1),
             jnp.concatenate(offer_parents, 1), state)
-
-  def offer_depths(self) -> np.ndarray:
-    k = self.top_k
-    return np.concatenate([np.full(k, 1)] + [np.full(k * k, d) for d in
-                                             range(2, self.tree.depth + 1)]).astype(np.int32)
 
   def candidates(self, params, state, context: DraftContext, depth: int, width: int):
     """The chain's tokens as ranked candidates [B, depth, 1] (lookup.TreeLookupFront reads them)."""
