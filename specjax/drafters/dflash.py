@@ -41,7 +41,7 @@ from specjax.decoding import sampling
 from specjax.decoding import tree as trees
 from specjax.decoding.sampling import top_ids
 from specjax.drafters import expansion, heads
-from specjax.models import cpu_kernels, layers
+from specjax.models import cpu_kernels, kv_cache, layers
 
 KIND = "dflash"
 WEIGHTS_FILE = "dflash.npz"
@@ -246,10 +246,7 @@ class _Block:
   def _write(self, params, state, features, positions, valid):
     """The context's keys and values at positions[B, K] where valid[B, K] (others dropped)."""
     context = project_context(self.config, params["dflash"], features)
-    size = state[0][0].shape[1]
-    slots = jnp.where(valid, positions, size)  # out of range: mode="drop" skips them
-    rows = jnp.arange(positions.shape[0])[:, None]
-    return tuple((keys.at[rows, slots].set(k, mode="drop"), values.at[rows, slots].set(v, mode="drop"))
+    return tuple((kv_cache.write(keys, k, positions, valid), kv_cache.write(values, v, positions, valid))
                  for (keys, values), (k, v) in zip(state, context_kv(self.config, params["dflash"],
                                                                     context, positions)))
 

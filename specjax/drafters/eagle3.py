@@ -37,7 +37,7 @@ from specjax import contracts
 from specjax.contracts import DraftContext, Proposal
 from specjax.decoding import tree as trees
 from specjax.drafters import dflash, expansion, heads
-from specjax.models import cpu_kernels, layers
+from specjax.models import cpu_kernels, kv_cache, layers
 
 KIND = "eagle3"
 WEIGHTS_FILE = "eagle3.npz"
@@ -240,11 +240,8 @@ class Eagle3Drafter(expansion.Ranked):
 
   @staticmethod
   def _write(state, keys, values, positions, valid):
-    cache_keys, cache_values = state
-    slots = jnp.where(valid, positions, cache_keys.shape[1])  # out of range: mode="drop" skips
-    rows = jnp.arange(positions.shape[0])[:, None]
-    return (cache_keys.at[rows, slots].set(keys, mode="drop"),
-            cache_values.at[rows, slots].set(values, mode="drop"))
+    return (kv_cache.write(state[0], keys, positions, valid),
+            kv_cache.write(state[1], values, positions, valid))
 
   def root(self, params, state, context: DraftContext):
     """Write the entries committed since the last round; -> (the newest entry's output h [B, E],

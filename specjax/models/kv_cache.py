@@ -48,13 +48,18 @@ def init(num_layers: int, batch: int, max_length: int, kv_heads: int, head_dim: 
                  jnp.zeros((batch,), jnp.int32))
 
 
-def write(buffer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-  """Write new[B, T, kv, d] into one layer's buffer[B, S, kv, d] at each row's positions[B, T].
+def write(buffer: jax.Array, new: jax.Array, positions: jax.Array,
+          valid: jax.Array | None = None) -> jax.Array:
+  """Write new[B, T, kv, d] into one layer's buffer[B, S, kv, d] at each row's positions[B, T]
+  (only where valid[B, T], when given: the others are dropped).
 
   A scatter, which XLA performs in place inside loops (the buffer is a loop carry).
   """
   rows = jnp.arange(new.shape[0])[:, None]
-  return buffer.at[rows, positions].set(new.astype(buffer.dtype), mode="promise_in_bounds")
+  if valid is None:
+    return buffer.at[rows, positions].set(new.astype(buffer.dtype), mode="promise_in_bounds")
+  slots = jnp.where(valid, positions, buffer.shape[1])  # out of range: mode="drop" skips them
+  return buffer.at[rows, slots].set(new.astype(buffer.dtype), mode="drop")
 
 
 def attention_mask(query_positions: jax.Array, max_length: int) -> jax.Array:
