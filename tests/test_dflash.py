@@ -152,48 +152,58 @@ def _replay_sampled_chain(directory, target_params, prompts, lengths, gamma=4, m
   fn = core.make_decode(model, drafter, core.DecodeConfig(max_new, pad_id=-1))
   rows = prompts.shape[0]
 
-  def target_pass(seq, transform):
-    """Teacher-forced over seq: (probabilities at every position, features at every position)."""
-    tokens = jnp.asarray([seq], jnp.int32)
-    positions = jnp.arange(len(seq), dtype=jnp.int32)[None]
-    logits, features, _ = model.forward(target_params, None, tokens, positions,
-                                        model.init_cache(1, len(seq)), features=config.features)
-    return np.asarray(transform(logits[0]), np.float64), features
+  # Both passes run on sequences padded to one length, so each compiles once: the target is causal
+  # and the block sees context slots before its root only, so the padding changes nothing they read.
+  padded_length = prompts.shape[1] + max_new + gamma + 1
 
-  def draft_probs(seq, features, transform):
-    """The block rooted at seq[-1] over the context of every earlier position -> [gamma, V]."""
-    root = len(seq) - 1
-    context = dflash.project_context(config, inner, features[:, :root])
-    cached = dflash.context_kv(config, inner, context, jnp.arange(root, dtype=jnp.int32)[None])
-    block = dflash.block_tokens(config, jnp.asarray([seq[-1]]))
-    context_visible, block_visible = dflash.visibility(jnp.asarray([root]), config.block_size, root)
+  @jax.jit
+  def padded_passes(tokens, root, temperature):
+    """tokens[L] (a sequence, zero-padded) -> (the target's probabilities at every position [L, V],
+    the drafter's for the block rooted at tokens[root] over the context of every earlier position
+    [gamma, V])."""
+    positions = jnp.arange(padded_length, dtype=jnp.int32)[None]
+    logits, features, _ = model.forward(target_params, None, tokens[None], positions,
+                                        model.init_cache(1, padded_length),
+                                        features=config.features)
+    context = dflash.project_context(config, inner, features)
+    cached = dflash.context_kv(config, inner, context, positions)
+    block = dflash.block_tokens(config, tokens[root][None])
+    context_visible, block_visible = dflash.visibility(root[None], config.block_size,
+                                                       padded_length)
     hidden = dflash.block_hidden(config, inner, params["embed_rows"][block],
                                  root + jnp.arange(config.block_size, dtype=jnp.int32)[None],
                                  cached, context_visible, block_visible)
-    logits = np.asarray(dflash.block_logits(config, inner, params["head_rows"], hidden)[0, :gamma])
-    full = np.full((gamma, TARGET.vocab_size), -np.inf, np.float32)
-    full[:, np.asarray(params["head_tokens"])] = logits
-    return np.asarray(transform(jnp.asarray(full)), np.float64)
+    block_logits = dflash.block_logits(config, inner, params["head_rows"], hidden)[0, :gamma]
+    full = jnp.full((gamma, TARGET.vocab_size), -jnp.inf, jnp.float32)
+    full = full.at[:, params["head_tokens"]].set(block_logits)
+    transform = lambda x: sampling.probs_from_logits(x, temperature=temperature)
+    return transform(logits[0]), transform(full)
+
+  def passes(seq, temperature):
+    """(target probabilities after each position of seq [len(seq), V], the drafter's block rooted
+    at seq[-1] [gamma, V]), float64."""
+    tokens = np.zeros(padded_length, np.int32)
+    tokens[:len(seq)] = seq
+    target, draft = padded_passes(jnp.asarray(tokens), jnp.int32(len(seq) - 1), temperature)
+    return np.asarray(target, np.float64)[:len(seq)], np.asarray(draft, np.float64)
 
   multi_token_calls = 0
   for seed, temperature in enumerate((1.0, 0.7)):
     rng = jax.random.PRNGKey(100 + seed)
-    transform = lambda logits: sampling.probs_from_logits(logits, temperature=temperature)
     out = fn(target_params, params, prompts, lengths, rng, temperature)
     first_u = np.asarray(core.first_token_uniform(rng, rows))
     draft_u, accept_u, resample_u = (np.asarray(u) for u in test_speculative._all_uniforms(
         rng, jnp.arange(max_new), rows, gamma))
     for b in range(rows):
       seq = prompts[b, :lengths[b]].tolist()
-      out_b = [test_speculative._inverse_cdf(first_u[b], target_pass(seq, transform)[0][-1])]
+      out_b = [test_speculative._inverse_cdf(first_u[b], passes(seq, temperature)[0][-1])]
       iteration = 0
       while len(out_b) < max_new:
         seq_b = seq + out_b
-        _, features = target_pass(seq_b, transform)
-        q = draft_probs(seq_b, features, transform)
+        q = passes(seq_b, temperature)[1]
         drafts = [test_speculative._inverse_cdf(draft_u[iteration, b, i], q[i])
                   for i in range(gamma)]
-        p = target_pass(seq_b + drafts, transform)[0][len(seq_b) - 1:]
+        p = passes(seq_b + drafts, temperature)[0][len(seq_b) - 1:]
         n = 0
         while n < gamma and accept_u[iteration, b, n] * q[n][drafts[n]] < p[n][drafts[n]]:
           n += 1
