@@ -54,7 +54,7 @@ def probs_from_logits(logits: jax.Array, temperature=0.0, top_k: int = 0, top_p=
   temperature = jnp.asarray(temperature, jnp.float32)
   top_p = jnp.asarray(top_p, jnp.float32)
   vocab = logits.shape[-1]
-  greedy = jax.nn.one_hot(argmax(logits), vocab, dtype=jnp.float32)
+  greedy = lambda logits: jax.nn.one_hot(argmax(logits), vocab, dtype=jnp.float32)
 
   def sampled(logits):
     # The tiny floor keeps the division finite when temperature is 0; that branch is discarded below.
@@ -66,11 +66,13 @@ def probs_from_logits(logits: jax.Array, temperature=0.0, top_k: int = 0, top_p=
     # Sorting the vocabulary dominates a small model's sampling step, so skip it at runtime when no
     # row asks for nucleus filtering (lax.cond runs one branch; the values stay traced).
     probs = jax.lax.cond(jnp.any(top_p < 1.0), _nucleus, lambda p, _: p, probs, top_p[..., None])
-    return jnp.where(temperature[..., None] > 0, probs, greedy)
+    # Only rows at temperature 0 among sampled ones need the one-hot (two more passes over V).
+    mixed = lambda probs: jnp.where(temperature[..., None] > 0, probs, greedy(logits))
+    return jax.lax.cond(jnp.all(temperature > 0), lambda probs: probs, mixed, probs)
 
   # Greedy decoding needs no softmax: skip it at runtime when every row is at temperature 0 (a tree
   # verification transforms T x V logits per iteration).
-  return jax.lax.cond(jnp.all(temperature == 0), lambda _: greedy, sampled, logits)
+  return jax.lax.cond(jnp.all(temperature == 0), greedy, sampled, logits)
 
 
 def _nucleus(probs: jax.Array, top_p: jax.Array) -> jax.Array:
