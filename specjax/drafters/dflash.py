@@ -315,12 +315,13 @@ class SampledDFlash(_Block):
 # ---- saved drafters ---------------------------------------------------------------------------------
 
 def drafter_params(dflash: dict, head_tokens, target_config, target_params) -> dict:
-  """The drafter's weights (its kernels packed, float32, for the CPU kernels where the target's are),
-  the target's output rows at its head tokens and the target's input embedding."""
+  """The drafter's weights (its kernels packed for the CPU kernels where the target's are, in the
+  target's kernel dtype), the target's output rows at its head tokens and its input embedding."""
   rows, tokens = heads.drafting_rows(target_config, target_params, head_tokens)
   dflash = jax.tree_util.tree_map(jnp.asarray, dflash)
   if cpu_kernels.is_packed(target_params):
-    pack = lambda tree: {name: (cpu_kernels.pack(leaf, jnp.float32) if name in KERNELS else
+    dtype = cpu_kernels.kernel_dtype(target_params)
+    pack = lambda tree: {name: (cpu_kernels.pack(leaf, dtype) if name in KERNELS else
                                 pack(leaf) if isinstance(leaf, dict) else leaf)
                          for name, leaf in tree.items()}
     dflash = pack(dflash)

@@ -325,12 +325,13 @@ class Eagle3Drafter(expansion.Ranked):
 # ---- saved drafters ---------------------------------------------------------------------------------
 
 def drafter_params(eagle: dict, head_tokens, target_config, target_params) -> dict:
-  """The layer's weights (kernels packed, float32, for the CPU kernels where the target's are), the
-  target's output rows at the head tokens and its input embedding."""
+  """The layer's weights (kernels packed for the CPU kernels where the target's are, in the target's
+  kernel dtype), the target's output rows at the head tokens and its input embedding."""
   rows, tokens = heads.drafting_rows(target_config, target_params, head_tokens)
   eagle = jax.tree_util.tree_map(jnp.asarray, eagle)
   if cpu_kernels.is_packed(target_params):
-    eagle = {name: cpu_kernels.pack(leaf, jnp.float32) if name in KERNELS else leaf
+    dtype = cpu_kernels.kernel_dtype(target_params)
+    eagle = {name: cpu_kernels.pack(leaf, dtype) if name in KERNELS else leaf
              for name, leaf in eagle.items()}
   return {"eagle3": eagle, "head_rows": rows, "head_tokens": tokens,
           "embed_rows": jnp.asarray(target_params["embedding"])}

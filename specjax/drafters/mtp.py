@@ -83,12 +83,13 @@ def unroll(params: dict, embed_rows: jax.Array, head_rows: jax.Array, hidden: ja
 
 
 def drafter_params(mtp: dict, head_tokens, target_config, target_params) -> dict:
-  """The head's weights, output rows and token ids for drafting; its two kernels packed (float32)
-  for the CPU kernels where the target's are."""
+  """The head's weights, output rows and token ids for drafting; its two kernels packed for the CPU
+  kernels where the target's are, in the target's kernel dtype."""
   rows, tokens = heads.drafting_rows(target_config, target_params, head_tokens)
   mtp = jax.tree_util.tree_map(jnp.asarray, mtp)
   if cpu_kernels.is_packed(target_params):
-    mtp = {**mtp, **{name: cpu_kernels.pack(mtp[name], jnp.float32)
+    dtype = cpu_kernels.kernel_dtype(target_params)
+    mtp = {**mtp, **{name: cpu_kernels.pack(mtp[name], dtype)
                      for name in ("in_kernel", "kernel")}}
   return {"mtp": mtp, "head_rows": rows,
           "head_tokens": tokens, "embed_rows": input_rows(target_config, target_params)}
