@@ -468,6 +468,7 @@ def test_the_setting_is_checked_and_reaches_the_target_and_its_drafts(smollm2_tw
     tolerance = 1e-5 if dtype == "float32" else 2e-2  # bfloat16 kernels and rows: 8 bits of mantissa
     np.testing.assert_allclose(np.asarray(mtp.next_state(packed_mtp, states, embedded)), expected,
                                rtol=tolerance, atol=tolerance * np.abs(expected).max())
+    _assert_feature_drafters_run_packed(loaded.config, loaded.params, plain, dtype, tolerance)
   # Without the library the setting names the script that builds it, before any work.
   monkeypatch.setattr(cpu_kernels, "LIBRARY", "/nonexistent/libspecjax_cpu.so")
   cpu_kernels._library.cache_clear()  # pylint: disable=protected-access
@@ -477,6 +478,45 @@ def test_the_setting_is_checked_and_reaches_the_target_and_its_drafts(smollm2_tw
       loading.load_target(spec)
   finally:
     cpu_kernels._library.cache_clear()  # pylint: disable=protected-access
+
+
+def _assert_feature_drafters_run_packed(config, packed, plain, dtype, tolerance):
+  """The EAGLE-3 layer and the DFlash drafter beside a packed target: every kernel packed in the
+  target's dtype, and each of their products gives what the plain float32 weights give."""
+  from specjax.drafters import dflash, eagle3  # pylint: disable=import-outside-toplevel
+  rng = np.random.RandomState(2)
+  close = lambda got, want: np.testing.assert_allclose(
+      np.asarray(got), np.asarray(want), rtol=tolerance, atol=tolerance * np.abs(want).max())
+  positions = jnp.arange(3)[None]
+  eagle_config = eagle3.Eagle3Config.for_target(config)
+  weights = eagle3.init_params(eagle_config, jax.random.PRNGKey(0))
+  packed_eagle = eagle3.drafter_params(weights, [3, 5], config, packed)["eagle3"]
+  plain_eagle = eagle3.drafter_params(weights, [3, 5], config, plain)["eagle3"]
+  assert all(isinstance(packed_eagle[name], cpu_kernels.PackedKernel)
+             and packed_eagle[name].dtype == dtype for name in eagle3.KERNELS)
+  features = jnp.asarray(rng.standard_normal((1, 3, 2 * config.embed_dim)), jnp.float32)
+  hidden = jnp.asarray(rng.standard_normal((1, 3, config.embed_dim)), jnp.float32)
+  close(eagle3.fuse(packed_eagle, features), eagle3.fuse(plain_eagle, features))
+  for got, want in zip(eagle3.entry(eagle_config, packed_eagle, hidden, hidden, positions),
+                       eagle3.entry(eagle_config, plain_eagle, hidden, hidden, positions)):
+    close(got, want)
+  attended = jnp.asarray(rng.standard_normal((1, 3, config.num_heads * config.head_dim)), jnp.float32)
+  close(eagle3.finish(eagle_config, packed_eagle, hidden, attended),
+        eagle3.finish(eagle_config, plain_eagle, hidden, attended))
+  flash_config = dflash.DFlashConfig.for_target(config, block_size=3, num_layers=1, num_features=2)
+  weights = dflash.init_params(flash_config, jax.random.PRNGKey(1))
+  packed_flash = dflash.drafter_params(weights, [3, 5], config, packed)["dflash"]
+  plain_flash = dflash.drafter_params(weights, [3, 5], config, plain)["dflash"]
+  kernels = [packed_flash["fc"]] + [packed_flash["layers_0"][name] for name in dflash.KERNELS[1:]]
+  assert all(isinstance(k, cpu_kernels.PackedKernel) and k.dtype == dtype for k in kernels)
+  visible = jnp.ones((1, 3, 3), bool)
+  outputs = []
+  for params in (packed_flash, plain_flash):
+    context = dflash.project_context(flash_config, params, features)
+    cached = dflash.context_kv(flash_config, params, context, positions)
+    outputs.append(dflash.block_hidden(flash_config, params, hidden, positions + 3, cached,
+                                       visible, visible))
+  close(*outputs)
 
 
 @pytest.mark.parametrize("family,tree", [("decoder-only", "chain:3"), ("decoder-only", "spine:3x2"),
