@@ -58,9 +58,12 @@ class SweepSpec:
       raise ValueError("SweepSpec.tasks and SweepSpec.drafters need at least one entry each")
     for task in self.tasks:
       prompt_sets.check_prompt_set_name(task)
-    for name in self.drafters:
-      registry.check(name)
     gammas = resumable.validate_gammas(self.gammas)
+    lossy = [l for l in self.leniences if l != 1.0]
+    lossy_gammas = resumable.validate_gammas(self.lenience_gammas) if lossy else []
+    for name in self.drafters:  # a gamma deeper than a trained block is refused now, not mid-sweep
+      for gamma in sorted(set(gammas) | set(lossy_gammas)):
+        registry.check_tree(name, Tree.chain(gamma))
     for value in (*self.temperatures, *self.leniences):
       float(value)  # a non-number fails here, with its value in the message
     for temperature in self.temperatures:
@@ -69,11 +72,10 @@ class SweepSpec:
     # (drafter, gamma) run back to back.
     lossless = resumable.grid(task=list(self.tasks), drafter=list(self.drafters), gamma=gammas,
                               lenience=[1.0], temperature=list(self.temperatures))
-    lossy = [l for l in self.leniences if l != 1.0]
     for value in lossy:
       acceptance.validate_lenience(value)
     lenient = resumable.grid(task=list(self.tasks), drafter=list(self.drafters),
-                             gamma=resumable.validate_gammas(self.lenience_gammas), lenience=lossy,
+                             gamma=lossy_gammas, lenience=lossy,
                              temperature=list(self.temperatures)) if lossy else []
     return lossless + lenient
 

@@ -55,9 +55,10 @@ class TreeSweepSpec:
       raise ValueError("TreeSweepSpec.tasks, drafters and trees need at least one entry each")
     for task in self.tasks:
       prompt_sets.check_prompt_set_name(task)
-    for name in self.drafters:
-      registry.check(name)
     shapes = [Tree.from_name(name).name for name in self.trees]
+    for name in self.drafters:  # every pair of the grid: a drafter that cannot draft a tree, now
+      for shape in shapes:
+        registry.check_tree(name, Tree.from_name(shape))
     for temperature in self.temperatures:
       sampling.validate_sampling(float(temperature), 0, 1.0)
     return resumable.grid(task=list(self.tasks), drafter=list(self.drafters), tree=shapes,

@@ -60,8 +60,8 @@ class Generate:
     validation.whole_number(self.seed, "Generate.seed", 0)
     tree = None
     if self.drafter is not None:
-      registry.check(self.drafter)
       tree = Tree.chain(self.gamma)  # refuses a gamma that is not a whole number in range
+      registry.check_tree(self.drafter, tree)
     prompt_set = prompt_sets.prompt_set_for_run(prompts.name, prompts.split, prompts.limit,
                                                 prompts.style, "PromptSpec.name")
     spec = {"target": dataclasses.asdict(target), "prompts": dataclasses.asdict(prompts),

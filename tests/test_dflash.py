@@ -297,6 +297,30 @@ def test_a_drafter_refuses_a_target_it_was_not_trained_for(tmp_path):
     heads.load_heads(directory, TARGET, target_params, Tree.chain(2))
 
 
+def test_a_tree_deeper_than_the_block_is_refused_before_any_work(tmp_path):
+  """A drafter trained with blocks of 5 proposes 4 tokens: a deeper tree or gamma is refused by the
+  registry, by both sweeps' grids and by generation before anything is loaded or written."""
+  from experiments import speculative_sweep, tree_sweep  # pylint: disable=import-outside-toplevel
+  from specjax import generation  # pylint: disable=import-outside-toplevel
+  config, params = _random_drafter()
+  assert config.block_size == 5
+  name = f"dflash:{dflash.save(tmp_path / 'd', params, config, np.arange(40), TARGET, 'any')}"
+  registry.check_tree(name, Tree.chain(4))
+  registry.check_tree(name, Tree.from_name("spine:4x3"))
+  output_dir = tmp_path / "generate"
+  for refused in (
+      lambda: registry.check_tree(name, Tree.chain(5)),
+      lambda: tree_sweep.TreeSweepSpec(drafters=(name,), trees=("chain:4", "spine:5x2")).points(),
+      lambda: speculative_sweep.SweepSpec(drafters=(name,), gammas=(2, 5)).points(),
+      lambda: speculative_sweep.SweepSpec(drafters=(name,), gammas=(2,), leniences=(1.0, 0.5),
+                                          lenience_gammas=(6,)).points(),
+      lambda: generation.Generate(output_dir=str(output_dir), drafter=name, gamma=5)()):
+    with pytest.raises(ValueError, match=r"trained with block_size=5 and proposes 4 tokens per "
+                                         r"block; draft a tree of depth <= 4"):
+      refused()
+  assert not output_dir.exists()
+
+
 def test_blocks_are_rooted_only_where_the_target_wrote_what_follows():
   """A greedy sequence scores its prompt too (loss_from 0): its response starts where the tokens
   begin to follow the target's own argmax to the end, at or before the prompt's last token; a

@@ -51,7 +51,7 @@ def test_feature_blocks_are_low_middle_and_high():
   assert eagle3.feature_blocks(2) == (0, 1)
 
 
-def test_dynamic_tree_names_and_refusals():
+def test_dynamic_tree_names_and_refusals(tmp_path):
   tree = Tree.from_name("dynamic:12,4,3")
   assert (tree.size, tree.depth, tree.top_k, tree.name) == (13, 4, 3, "dynamic:12,4,3")
   assert not tree.is_chain and Tree.dynamic(4, 4, 1) != Tree.chain(4)
@@ -61,6 +61,15 @@ def test_dynamic_tree_names_and_refusals():
     Tree.from_name("dynamic:12,4")
   with pytest.raises(ValueError, match="grown by a drafter"):
     registry.build("unigram", registry.Target(TARGET, sequences=[[1, 2, 3]]), tree)
+  # A sweep's grid refuses each pair no drafter of that kind can draft, before anything loads.
+  from experiments import tree_sweep  # pylint: disable=import-outside-toplevel
+  for drafters, trees_, match in (((f"mtp:{tmp_path}",), ("chain:3", tree.name), "grown by a drafter"),
+                                  ((f"lookup+eagle3:{tmp_path}",), (tree.name,), "grown by a drafter"),
+                                  ((f"eagle3:{tmp_path}",), ("spine:3x2",), "grows its own tree"),
+                                  ((f"lookup+eagle3:{tmp_path}",), ("spine:3x2",), "drafts a chain")):
+    with pytest.raises(ValueError, match=match):
+      tree_sweep.TreeSweepSpec(drafters=drafters, trees=trees_).points()
+  tree_sweep.TreeSweepSpec(drafters=(f"eagle3:{tmp_path}",), trees=(tree.name, "chain:4")).points()
 
 
 def test_the_tree_is_the_best_nodes_offered_with_every_parent():

@@ -361,6 +361,17 @@ def save(directory, params: dict, config: DFlashConfig, head_tokens, target_conf
                             "config": dataclasses.asdict(config), **(metadata or {})})
 
 
+def tree_refusal(directory, tree: trees.Tree) -> str | None:
+  """Why the DFlash drafter saved in `directory` cannot draft `tree`, or None: a block of B tokens
+  proposes B - 1, so the tree may be at most B - 1 deep (read from heads.json, nothing loaded)."""
+  block_size = heads.read_metadata(directory)["config"]["block_size"]
+  if tree.depth > block_size - 1:
+    return (f"it was trained with block_size={block_size} and proposes {block_size - 1} tokens per "
+            f"block; draft a tree of depth <= {block_size - 1}, or train one with "
+            f"dflash.DFlashSpec.block_size >= {tree.depth + 1}")
+  return None
+
+
 def load(directory, target_config, target_params, tree: trees.Tree, sample: bool = False):
   """(the drafter of `tree`, its params) for `target`, after checking it was trained for it: a
   SampledDFlash where `sample` asks for it and the tree is a chain, else a DFlashDrafter."""

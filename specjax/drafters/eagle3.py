@@ -190,6 +190,16 @@ def pick_tree(scores: jax.Array, parents: jax.Array, nodes: int):
   return chosen, jnp.concatenate([jnp.full((scores.shape[0], 1), -1, jnp.int32), parent_node], 1)
 
 
+def tree_refusal(tree: trees.Tree, lookup_front: bool = False) -> str | None:
+  """Why an EAGLE-3 drafter cannot draft `tree`, or None: it grows its own dynamic tree or drafts
+  a chain; behind prompt lookup, a chain only (lookup fronts ranked candidates)."""
+  if lookup_front and not tree.is_chain:
+    return "behind prompt lookup it drafts a chain (chain:D); its own tree is grown without lookup"
+  if not (tree.top_k or tree.is_chain):
+    return "it grows its own tree every round: name a dynamic tree (dynamic:N,D,K) or a chain"
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Eagle3Drafter(expansion.Ranked):
   """Drafts `tree`: a dynamic tree (Tree.dynamic), or a chain (its top-1 path; as ranked candidates
@@ -201,9 +211,9 @@ class Eagle3Drafter(expansion.Ranked):
   encoder_decoder: bool = dataclasses.field(default=False, init=False)
 
   def __post_init__(self):
-    if not (self.tree.top_k or self.tree.is_chain):
-      raise ValueError(f"the EAGLE-3 drafter grows its own tree every round: name a dynamic tree "
-                       f"(dynamic:N,D,K) or a chain, not {self.tree.name}")
+    reason = tree_refusal(self.tree)
+    if reason:
+      raise ValueError(f"the EAGLE-3 drafter cannot draft {self.tree.name}: {reason}")
 
   @property
   def features(self) -> contracts.FeatureSpec:

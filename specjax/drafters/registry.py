@@ -95,6 +95,9 @@ class Kind:
   decoder_only: it reads a decoder-only target's hidden states (refused for a T5 target).
   per_tree: its build depends on the tree and `sample` (else `build` can reuse one build for every
     tree).
+  refuses: spec, tree -> why the drafter cannot draft `tree` (read from what its name and saved
+    metadata say, before anything is loaded), or None; unset: any static tree.
+  grows_trees: it grows a dynamic tree of its own (Tree.dynamic); other kinds are refused one.
   """
   name: str
   build: Callable
@@ -105,6 +108,8 @@ class Kind:
   missing: str = ""
   decoder_only: bool = False
   per_tree: bool = False
+  refuses: Callable[[DrafterSpec, Tree], str | None] | None = None
+  grows_trees: bool = False
 
 
 KINDS: dict[str, Kind] = {}
@@ -161,6 +166,20 @@ def check(spec: DrafterSpec | str, target_config=None) -> DrafterSpec:
   return spec
 
 
+def check_tree(name, tree: Tree) -> None:
+  """Refuse a drafter for a tree it cannot draft before anything runs (a sweep checks every pair
+  of its grid): a dynamic tree for a kind that ranks candidates for static ones, a tree deeper than
+  a trained block, a static tree for a drafter that grows its own."""
+  spec = check(name)
+  if tree.top_k and not (spec.entry.grows_trees and not spec.lookup_front):
+    raise ValueError(f"the {spec.name} drafter ranks candidates for a static tree; the dynamic tree "
+                     f"{tree.name} is grown by a drafter that scores its own paths (eagle3:<path>, "
+                     "without lookup in front)")
+  reason = spec.entry.refuses(spec, tree) if spec.entry.refuses else None
+  if reason:
+    raise ValueError(f"the {spec.name} drafter cannot draft {tree.name}: {reason}")
+
+
 def check_vocabulary(names, tokenizer, target_name: str) -> None:
   """Refuse a model draft whose checkpoint ships another vocabulary than the target's `tokenizer`
   (the same size is not enough: loading.check_same_vocabulary), before anything runs."""
@@ -206,6 +225,7 @@ def build(name, target: Target, tree: Tree, sample: bool = True, memo: dict | No
   drafter of ranked candidates). memo: a dict kept by the caller, so that building one drafter for
   several trees loads its checkpoint once."""
   spec = check(name, target.config)
+  check_tree(spec, tree)
   if spec.entry.needs_text and target.sequences is None:
     raise ValueError(f"the {spec.kind} drafter is counted on token sequences; pass "
                      "Target(sequences=...)")
@@ -221,9 +241,6 @@ def build(name, target: Target, tree: Tree, sample: bool = True, memo: dict | No
                                spec.option("lookup_min_ngram", 2))
   if isinstance(made, contracts.TokenDrafter):
     made = expansion.expand(made, tree, sample)
-  if tree.top_k and not getattr(made, "grows_trees", False):
-    raise ValueError(f"the {spec.name} drafter ranks candidates for a static tree; the dynamic tree "
-                     f"{tree.name} is grown by a drafter that scores its own paths (eagle3:<path>)")
   if made.tree != tree:
     raise ValueError(f"the {spec.name} drafter proposes {made.tree.name}, not {tree.name}")
   return made, params
@@ -289,10 +306,12 @@ register(Kind(
     # Sampled from its own distribution where a chain asks for it; point masses (ranked candidates)
     # behind prompt lookup, which fronts ranked candidates only.
     build=lambda spec, target, tree, sample: dflash.load(
-        spec.checkpoint, target.config, target.params, tree, sample and not spec.lookup_front)))
+        spec.checkpoint, target.config, target.params, tree, sample and not spec.lookup_front),
+    refuses=lambda spec, tree: dflash.tree_refusal(spec.checkpoint, tree)))
 register(Kind(
     "eagle3", label="EAGLE-3", checkpoint=True, plan=_NOTHING, decoder_only=True, per_tree=True,
     missing="train it first (python -m specjax.train --gin_file=configs/smollm2_eagle3.gin writes "
             "out/smollm2_eagle3/eagle3)",
     build=lambda spec, target, tree, sample: eagle3.load(
-        spec.checkpoint, target.config, target.params, tree)))
+        spec.checkpoint, target.config, target.params, tree),
+    refuses=lambda spec, tree: eagle3.tree_refusal(tree, spec.lookup_front), grows_trees=True))
