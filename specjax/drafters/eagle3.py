@@ -207,7 +207,6 @@ class Eagle3Drafter(expansion.Ranked):
   [B, max_length, kv, d]; entry q in slot q."""
   config: Eagle3Config
   tree: trees.Tree
-  grows_trees = True
   encoder_decoder: bool = dataclasses.field(default=False, init=False)
 
   def __post_init__(self):
