@@ -319,8 +319,7 @@ def drafter_params(dflash: dict, head_tokens, target_config, target_params) -> d
   target's kernel dtype), the target's output rows at its head tokens and its input embedding."""
   rows, tokens = heads.drafting_rows(target_config, target_params, head_tokens)
   dflash = jax.tree_util.tree_map(jnp.asarray, dflash)
-  if cpu_kernels.is_packed(target_params):
-    dtype = cpu_kernels.kernel_dtype(target_params)
+  if dtype := cpu_kernels.kernel_dtype(target_params):
     pack = lambda tree: {name: (cpu_kernels.pack(leaf, dtype) if name in KERNELS else
                                 pack(leaf) if isinstance(leaf, dict) else leaf)
                          for name, leaf in tree.items()}

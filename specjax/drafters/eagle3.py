@@ -338,8 +338,7 @@ def drafter_params(eagle: dict, head_tokens, target_config, target_params) -> di
   kernel dtype), the target's output rows at the head tokens and its input embedding."""
   rows, tokens = heads.drafting_rows(target_config, target_params, head_tokens)
   eagle = jax.tree_util.tree_map(jnp.asarray, eagle)
-  if cpu_kernels.is_packed(target_params):
-    dtype = cpu_kernels.kernel_dtype(target_params)
+  if dtype := cpu_kernels.kernel_dtype(target_params):
     eagle = {name: cpu_kernels.pack(leaf, dtype) if name in KERNELS else leaf
              for name, leaf in eagle.items()}
   return {"eagle3": eagle, "head_rows": rows, "head_tokens": tokens,

@@ -87,8 +87,7 @@ def drafter_params(mtp: dict, head_tokens, target_config, target_params) -> dict
   kernels where the target's are, in the target's kernel dtype."""
   rows, tokens = heads.drafting_rows(target_config, target_params, head_tokens)
   mtp = jax.tree_util.tree_map(jnp.asarray, mtp)
-  if cpu_kernels.is_packed(target_params):
-    dtype = cpu_kernels.kernel_dtype(target_params)
+  if dtype := cpu_kernels.kernel_dtype(target_params):
     mtp = {**mtp, **{name: cpu_kernels.pack(mtp[name], dtype)
                      for name in ("in_kernel", "kernel")}}
   return {"mtp": mtp, "head_rows": rows,

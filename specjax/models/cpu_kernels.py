@@ -331,16 +331,16 @@ def step_bytes(params, config) -> int:
   return walk(params, ())
 
 
-def kernel_dtype(params) -> str:
-  """The dtype of a packed params tree's kernels ("bfloat16" or "float32"): what a drafter packed
-  beside it packs its own kernels in, so a bfloat16 decode reads no float32 drafter."""
+def kernel_dtype(params) -> str | None:
+  """The dtype of a params tree's packed kernels ("bfloat16" or "float32"), None where it holds
+  none: what a drafter beside it packs its own kernels in, so a bfloat16 decode reads no float32
+  drafter."""
   for leaf in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, PackedKernel)):
     if isinstance(leaf, PackedKernel):
       return leaf.dtype
-  raise ValueError("these params hold no packed kernel (cpu_kernels.pack_params packs them)")
+  return None
 
 
 def is_packed(params) -> bool:
   """Whether a params tree holds packed kernels (a draft of a packed target is packed too)."""
-  return any(isinstance(leaf, PackedKernel) for leaf in jax.tree_util.tree_leaves(
-      params, is_leaf=lambda x: isinstance(x, PackedKernel)))
+  return kernel_dtype(params) is not None
