@@ -197,9 +197,10 @@ def _reference_attention(q, keys, values, visible, bias=None, scale=1.0):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 16), (6, 6, 8), (2, 1, 12)])
 def test_attention_equals_a_float64_reference(heads, kv_heads, dim):
   """Grouped-query attention with a causal mask, then with a bias and a mask shared by a row's
-  queries (T5's relative positions, a source's padding), then a query that sees no slot (zeros)."""
+  queries (T5's relative positions, a source's padding), then a query that sees no slot (zeros).
+  9 queries: 9 to 54 rows per KV head, so blocks of 8 rows and of 16 both run."""
   rng = np.random.RandomState(2)
-  batch, steps, slots = 2, 5, 40
+  batch, steps, slots = 2, 9, 40
   q = rng.standard_normal((batch, steps, heads, dim)).astype(np.float32)
   keys = rng.standard_normal((batch, slots, kv_heads, dim)).astype(np.float32)
   values = rng.standard_normal((batch, slots, kv_heads, dim)).astype(np.float32)
@@ -252,6 +253,29 @@ def test_a_querys_attention_does_not_depend_on_what_else_the_call_holds():
   seen[:, :, tree_slots] = True
   in_tree = np.asarray(attend(q[:, 3:4], moved_keys, moved_values, seen))
   np.testing.assert_array_equal(in_tree[0, 0], together[0, 3])
+
+
+def test_argmax_is_the_first_maximum_or_the_first_nan_and_runs_in_the_library():
+  """The library's argmax, and sampling.argmax over a large vocabulary (the library's on one CPU
+  device, XLA's form where this process has several), give jnp.argmax's ids (numpy's): the first of
+  tied maxima, the first NaN, index 0 for a row of -inf."""
+  from specjax.decoding import sampling  # pylint: disable=import-outside-toplevel
+  rng = np.random.RandomState(6)
+  x = rng.standard_normal((3, 7, 49152)).astype(np.float32)
+  x[0, 1, [7, 9000]] = 50.0
+  x[0, 2, [40000, 12]] = 60.0
+  x[1, 2, [123, 5000]] = np.nan
+  x[1, 3, 49151] = np.nan
+  x[2, 3] = -np.inf
+  x[2, 4, 49151] = 100.0
+  x[2, 5, 49140:] = 70.0  # a tie in the tail past the whole vectors' part of a row
+  routed = jax.jit(sampling.argmax)
+  uses_library = "specjax_cpu_argmax" in routed.lower(jnp.asarray(x)).as_text()
+  assert uses_library == (jax.device_count() == 1)
+  for find in (routed, jax.jit(cpu_kernels.argmax)):
+    np.testing.assert_array_equal(np.asarray(find(jnp.asarray(x))), np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(find(jnp.asarray(x[:, :, :4099]))),
+                                  np.argmax(x[:, :, :4099], axis=-1))
 
 
 def test_rms_norm_equals_a_float64_reference_and_each_row_is_computed_alike():

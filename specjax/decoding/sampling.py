@@ -34,15 +34,35 @@ def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
     raise ValueError(f"top_p must lie in (0, 1] (1 disables nucleus sampling), got {top_p}")
 
 
+# A float32 argmax over at least this many entries runs on the CPU kernels' argmax where it can.
+_CPU_ARGMAX_WIDTH = 4096
+
+
+def _cpu_argmax(scores: jax.Array) -> bool:
+  """Whether `argmax` may run on the CPU kernels (cpu_kernels.argmax): float32 rows of a large
+  vocabulary, JAX on one CPU device, the library built. It is exact, so either path gives the same
+  ids; lowered for another platform (a plan's TPU compile) the XLA form is taken."""
+  from specjax.models import cpu_kernels  # pylint: disable=import-outside-toplevel
+  return (scores.dtype == jnp.float32 and scores.ndim >= 1 and scores.shape[-1] >= _CPU_ARGMAX_WIDTH
+          and jax.default_backend() == "cpu" and jax.device_count() == 1 and cpu_kernels.available())
+
+
 def argmax(scores: jax.Array) -> jax.Array:
   """jnp.argmax(scores, axis=-1) as int32 (ties and NaN alike: the first maximum, or the first NaN),
   as two vectorised passes: the row's max, then the first index that holds it. XLA:CPU runs
   jnp.argmax's paired (value, index) reduction one element at a time: 1.5 ms over 17 rows of
-  SmolLM2's 49,152 logits against 0.7 ms this way (2-core Xeon, 2026-12)."""
-  peak = jnp.max(scores, axis=-1, keepdims=True)
-  hit = (scores == peak) | jnp.isnan(scores)
-  ids = jnp.arange(scores.shape[-1], dtype=jnp.int32)
-  return jnp.min(jnp.where(hit, ids, scores.shape[-1]), axis=-1)
+  SmolLM2's 49,152 logits against 0.7 ms this way (2-core Xeon, 2026-12). On one CPU device with
+  specjax's CPU kernels built, a large vocabulary's float32 rows go to their argmax (_cpu_argmax),
+  which reads each row once."""
+  def vectorised(scores):
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    hit = (scores == peak) | jnp.isnan(scores)
+    ids = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(hit, ids, scores.shape[-1]), axis=-1)
+  if _cpu_argmax(scores):
+    from specjax.models import cpu_kernels  # pylint: disable=import-outside-toplevel
+    return jax.lax.platform_dependent(scores, cpu=cpu_kernels.argmax, default=vectorised)
+  return vectorised(scores)
 
 
 def probs_from_logits(logits: jax.Array, temperature=0.0, top_k: int = 0, top_p=1.0) -> jax.Array:

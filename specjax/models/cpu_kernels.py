@@ -21,7 +21,8 @@ Why not XLA's own kernels on a CPU:
 
 `pack_params` replaces every 2-D kernel of a params tree with a `PackedKernel`; `layers.dense` sends
 x x PackedKernel to `matmul`; a model whose kernels are packed also runs its decoder attention
-through `attention` and `cache_write` (layers.CachedAttention, the T5 decoder). A decode on these
+through `attention` and `cache_write` (layers.CachedAttention, the T5 decoder). `argmax` serves
+every float32 argmax over a large vocabulary on a one-device CPU (sampling.argmax). A decode on these
 kernels keeps its KV cache in float32 (CACHE_DTYPE), and a bfloat16 model its residual stream too
 (layers.embed: its products round their rows to bfloat16). The calls share one team of threads, one
 per core (SPECJAX_CPU_THREADS sets another count; results do not depend on it). Only for decoding:
@@ -43,7 +44,8 @@ import numpy as np
 
 LIBRARY = os.path.join(sys.prefix, "lib", "libspecjax_cpu.so")
 TARGETS = {"specjax_cpu_matmul": "SpecjaxCpuMatmul", "specjax_cpu_attention": "SpecjaxCpuAttention",
-           "specjax_cpu_cache_write": "SpecjaxCpuCacheWrite", "specjax_cpu_rms_norm": "SpecjaxCpuRmsNorm"}
+           "specjax_cpu_cache_write": "SpecjaxCpuCacheWrite", "specjax_cpu_rms_norm": "SpecjaxCpuRmsNorm",
+           "specjax_cpu_argmax": "SpecjaxCpuArgmax"}
 BUILD_FIX = "bash scripts/build_cpu_kernels.sh builds it (bash scripts/setup.sh runs it)"
 SETTING = "ModelSpec.kernels = 'cpu'"
 
@@ -180,6 +182,15 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   call = jax.ffi.ffi_call("specjax_cpu_rms_norm", jax.ShapeDtypeStruct(x.shape, jnp.float32),
                           vmap_method="sequential")
   return call(jnp.asarray(x, jnp.float32), jnp.asarray(scale, jnp.float32), eps=np.float32(eps))
+
+
+def argmax(scores: jax.Array) -> jax.Array:
+  """jnp.argmax(scores, axis=-1) as int32 for float32 scores[..., V] (the first maximum, or the
+  first NaN), each row read once (csrc/argmax.cc). No gradient flows through it."""
+  require()
+  call = jax.ffi.ffi_call("specjax_cpu_argmax", jax.ShapeDtypeStruct(scores.shape[:-1], jnp.int32),
+                          vmap_method="broadcast_all")
+  return call(jax.lax.stop_gradient(jnp.asarray(scores, jnp.float32)))
 
 
 def cache_write(keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_values: jax.Array,
