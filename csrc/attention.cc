@@ -62,12 +62,6 @@ struct Operands {
   }
 };
 
-// The kernel for blocks of kLanes rows, its vectors kLanes floats wide: 8 (AVX2's registers) or 16
-// (AVX-512's). A row's every sum runs the same operations in the same order at either width (one
-// lane of a product, one element of a weighted value), so its result does not depend on the width:
-// the call takes 8 for up to 16 rows, where wider vectors would mostly compute padding, and, on a
-// CPU with AVX-512 (kWide), 16 for more (a 17-token verification of SmolLM2 has 51 rows per KV head:
-// 4 blocks instead of 7; its 30 attentions went from 2.5 to 1.9 ms on a 2-core Xeon).
 template <int kLanes>
 struct Vectors;  // spelled out per width: GCC drops a vector_size that depends on a template argument
 template <>
@@ -81,6 +75,12 @@ struct Vectors<16> {
   typedef int32_t IVec __attribute__((vector_size(16 * sizeof(int32_t))));
 };
 
+// The kernel for blocks of kLanes rows, its vectors kLanes floats wide: 8 (AVX2's registers) or 16
+// (AVX-512's). A row's every sum runs the same operations in the same order at either width (one
+// lane of a product, one element of a weighted value), so its result does not depend on the width:
+// the call takes 8 for up to 16 rows, where wider vectors would mostly compute padding, and, on a
+// CPU with AVX-512 (kWide), 16 for more (a 17-token verification of SmolLM2 has 51 rows per KV head:
+// 4 blocks instead of 7; its 30 attentions went from 2.5 to 1.9 ms on a 2-core Xeon).
 template <int kLanes>
 struct Lanes {
 typedef typename Vectors<kLanes>::Vec Vec;
@@ -273,6 +273,7 @@ ffi::Error Compute(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
   o.visible = visible.typed_data(), o.out = out->typed_data(), o.scale = scale;
   const int64_t rows = o.steps * o.group;
   const int64_t lanes = kWide && rows > 16 ? 16 : 8, blocks = (rows + lanes - 1) / lanes;
+  const auto block = lanes == 16 ? Lanes<16>::Block : Lanes<8>::Block;
   // Each query's visible range, and each batch row's union of them.
   std::vector<int64_t> first(o.batch * o.steps), last(o.batch * o.steps), lo(o.batch), hi(o.batch);
   for (int64_t b = 0; b < o.batch; ++b) {
@@ -295,10 +296,7 @@ ffi::Error Compute(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
       const int64_t b = task / (o.kv_heads * blocks), g = task / blocks % o.kv_heads;
       const int64_t r0 = task % blocks * lanes;
       if (hi[b] < lo[b]) continue;
-      if (lanes == 16)
-        Lanes<16>::Block(o, b, g, r0, lo[b], hi[b], first.data() + b * o.steps, last.data() + b * o.steps);
-      else
-        Lanes<8>::Block(o, b, g, r0, lo[b], hi[b], first.data() + b * o.steps, last.data() + b * o.steps);
+      block(o, b, g, r0, lo[b], hi[b], first.data() + b * o.steps, last.data() + b * o.steps);
     }
   };
   if (tasks > 1)

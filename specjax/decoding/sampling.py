@@ -40,11 +40,12 @@ _CPU_ARGMAX_WIDTH = 4096
 
 def _cpu_argmax(scores: jax.Array) -> bool:
   """Whether `argmax` may run on the CPU kernels (cpu_kernels.argmax): float32 rows of a large
-  vocabulary, JAX on one CPU device, the library built. It is exact, so either path gives the same
-  ids; lowered for another platform (a plan's TPU compile) the XLA form is taken."""
+  vocabulary, one device, the library built. It is exact, so either path gives the same ids;
+  lowered for a platform other than the CPU (a GPU, a plan's TPU compile) the XLA form is taken
+  (`argmax`'s lax.platform_dependent)."""
   from specjax.models import cpu_kernels  # pylint: disable=import-outside-toplevel
   return (scores.dtype == jnp.float32 and scores.ndim >= 1 and scores.shape[-1] >= _CPU_ARGMAX_WIDTH
-          and jax.default_backend() == "cpu" and jax.device_count() == 1 and cpu_kernels.available())
+          and jax.device_count() == 1 and cpu_kernels.available())
 
 
 def argmax(scores: jax.Array) -> jax.Array:
@@ -52,8 +53,8 @@ def argmax(scores: jax.Array) -> jax.Array:
   as two vectorised passes: the row's max, then the first index that holds it. XLA:CPU runs
   jnp.argmax's paired (value, index) reduction one element at a time: 1.5 ms over 17 rows of
   SmolLM2's 49,152 logits against 0.7 ms this way (2-core Xeon, 2026-12). On one CPU device with
-  specjax's CPU kernels built, a large vocabulary's float32 rows go to their argmax (_cpu_argmax),
-  which reads each row once."""
+  specjax's CPU kernels built, a large vocabulary's float32 rows go to their argmax (_cpu_argmax):
+  one pass for the maximum, then a scan up to its first hit."""
   def vectorised(scores):
     peak = jnp.max(scores, axis=-1, keepdims=True)
     hit = (scores == peak) | jnp.isnan(scores)
