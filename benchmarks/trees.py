@@ -8,10 +8,10 @@ goes, measured vs predicted speedup.
 
 The tree sweep's measurement (experiments/tree_sweep.measure_point on an experiments/measure.Bench)
 without a run directory: for every drafter x tree x temperature, on the task's first `--prompts`
-held-out prompts (batch 1, EOS on, each prompt its own random key), the baseline pass, the tree pass
-and one iteration's parts (draft, verify(T), accept: the loop's own methods, timing.iteration_timer)
-are timed in turn `--repeats` times, and both sides' decode ms per token found by one method
-(measure.paired_decode_seconds). Columns, as in trees.md of the sweep:
+held-out prompts (batch 1, EOS on, each prompt its own random key), the baseline and the tree loop
+are timed side by side prompt by prompt, `--repeats` passes (measure.side_by_side), one iteration's
+parts (draft, verify(T), accept: the loop's own methods, timing.iteration_timer) three times a pass,
+and both sides' decode ms per token found by one method (measure.paired_decode_seconds). Columns, as in trees.md of the sweep:
 
   tokens / call   committed tokens per tree verification (after the first token);
   alpha by depth  conditional pass rate at depth d (passed d / reached d);
@@ -51,7 +51,7 @@ def parse_args():
                       help="comma list; full:W1,W2 shapes use ';' between trees if they hold commas")
   parser.add_argument("--temperatures", default="0,1")
   parser.add_argument("--prompts", type=int, default=8)
-  parser.add_argument("--repeats", type=int, default=3, help="timed passes per point, in turn")
+  parser.add_argument("--repeats", type=int, default=3, help="timed passes per point")
   parser.add_argument("--new_tokens", type=int, default=64)
   parser.add_argument("--task", default="humaneval", help="a prompt set of specjax.data.prompts or a .jsonl")
   parser.add_argument("--checkpoint", default=specs.ModelSpec().checkpoint)
@@ -115,8 +115,8 @@ def main():
             f"{args.dtype or 'float32'} on {'the CPU' if args.kernels == 'cpu' else 'XLA'}'s "
             f"kernels, batch 1, {len(bench.prompts[args.task])} held-out {args.task} prompts, "
             f"{args.new_tokens} new tokens, EOS on; {platform.machine()} with {os.cpu_count()} "
-            f"cores, jax {jax.__version__}; {args.repeats} timed pass(es) per point, in turn with "
-            f"the baseline's and the parts'. Total run {total_s / 60:.1f} min.")
+            f"cores, jax {jax.__version__}; {args.repeats} timed pass(es) per point, side by side "
+            f"with the baseline's prompt by prompt, the parts timed three times a pass. Total run {total_s / 60:.1f} min.")
   markdown = header + "\n\n" + tree_sweep.tree_table(rows).markdown()
   print(markdown)
   meta = {"args": vars(args), "jax": jax.__version__, "host": platform.node(),

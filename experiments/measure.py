@@ -1,6 +1,6 @@
 """How both sweeps measure a point: the autoregressive baseline and the speculative loop side by side in
 this process, on the same held-out prompts (batch 1 each, padded to one length per task; each prompt
-its own random key, the same for both runs), with one loop iteration's parts timed in turn beside them.
+its own random key, the same for both runs), with one loop iteration's parts timed beside them.
 
 `Bench` holds what every point shares: the target, the prompts by task, the drafters by (name, tree,
 sampling), their compiled programs and part timers, and the work before the first token.
@@ -10,11 +10,16 @@ acceptance by depth).
 
 ms per token is end to end (prefill included) over the tokens each run emitted (EOS on), so greedy
 points compare identical token streams and sampled points compare per-token costs. Decode ms per
-token leaves out what each prompt pays once (Thm 3.8 models decoding only): every prompt is timed, and
-the loop's cost per iteration is fitted over the prompts (`paired_decode_seconds`, both sides of a
-ratio by the same method); the work before the first token, timed apart, is subtracted instead where
-there are few prompts, all ran about as many iterations, a fit's fixed cost comes out negative or its
-per-iteration cost is uncertain (timing.loop_seconds).
+token leaves out what each prompt pays once (Thm 3.8 models decoding only): every prompt is timed,
+and the loop's cost per iteration is fitted over the prompts where the fit pins it down to 5 %
+(`paired_decode_seconds`, both sides of a ratio by the same method); elsewhere each side's work
+before the first token, timed apart, is subtracted from its prompts' times.
+
+The two sides run side by side prompt by prompt (`side_by_side`): each prompt is decoded by the
+baseline and by the loop one after the other, the order alternating, with the loop's parts timed at
+three places in every pass. Timing whole passes in turn let a slow stretch of this shared machine
+fall on one side: SmolLM2's end-to-end ratio over one point's passes read 1.67-1.79 in turn and
+1.67-1.74 prompt by prompt.
 """
 
 from __future__ import annotations
@@ -37,12 +42,24 @@ from specjax.drafters import registry
 # How a row is drawn and timed, in the spec (so in the fingerprint) of both sweeps: a directory whose
 # rows were measured another way is refused rather than resumed into one table with new rows. Change it
 # whenever a change to the keys or the timing would make old and new rows disagree.
-MEASUREMENT = ("each prompt its own key from (seed, task, prompt id); baseline, decode and the loop's own parts (draft, verify, "
-               "settle) timed in turn; both sides of a speedup by one method; loop fits refused "
-               "beyond a standard error of 1/4")
+MEASUREMENT = ("each prompt its own key from (seed, task, prompt id); baseline and decode side by side "
+               "prompt by prompt, alternating, the loop's own parts (draft, verify, settle) timed "
+               "three times a pass; both sides of a speedup by one method; loop fits refused beyond "
+               "a standard error of 1/20, else the start (median of 9) subtracted")
 
 # Prompts a side needs before its loop cost is fitted rather than its prefill subtracted.
 MIN_FIT_PROMPTS = 8
+# The largest standard error, relative to the per-iteration cost, of a fit that is used. Most of
+# SmolLM2's prompts run within 15 iterations of each other on a side, and fits to them with standard
+# errors of 5-13 % (a quarter was the limit before) read the fixed cost per prompt as 62-305 ms where
+# the start took 140-170: a point's decode speedup read 1.07-1.26 over four passes by the fit,
+# 1.10-1.14 with the start subtracted. A fit that pins its cost down is still used: a T5 decode call
+# pays 4-9 ms once, several times its prefill, which subtracting the prefill leaves in.
+MAX_FIT_ERROR = 0.05
+
+# Runs of the work before the first token behind each side's start time (a median of 5 moved by
+# 10-20 ms in 150 here, an error that each of a point's prompts repeats).
+START_REPEATS = 9
 
 
 class Prompt(NamedTuple):
@@ -144,14 +161,16 @@ class Bench:
       self._compiled[key] = build()
     return self._compiled[key]
 
-  def timed(self, key, task: str, run_one):
-    """(seconds per prompt, tokens emitted, outputs) of one pass over the task's prompts."""
-    warmup = 0 if key in self._warm else 1
-    self._warm.add(key)
-    seconds, outs = timing.time_prompts(run_one, self.prompts[task], 1, warmup)
-    return seconds, sum(int(np.asarray(o.num_generated).sum()) for o in outs), outs
+  def warm(self, key, task: str, run_one):
+    """run_one, after one untimed run on the task's first prompt where the program has not run yet
+    (a program's first run is slower)."""
+    if key not in self._warm:
+      self._warm.add(key)
+      run_one(*self.prompts[task][0])
+    return run_one
 
   def baseline(self, task: str, temperature: float):
+    """run_one(tokens, lengths, source, key) -> outputs of autoregressive decoding, blocking."""
     decode, tok = self.decode, self.target.tokenizer
     generate = self.compiled(("base", task), lambda: autoregressive.make_generate(
         self.target.model, autoregressive.DecodeShape(decode.max_new_tokens, decode.top_k,
@@ -159,9 +178,10 @@ class Bench:
     run_one = lambda tokens, lengths, source, key: jax.block_until_ready(generate(
         self.target.params, tokens, lengths, key, jnp.float32(temperature),
         jnp.float32(decode.top_p), source))
-    return self.timed(("base", task), task, run_one)
+    return self.warm(("base", task), task, run_one)
 
   def speculative(self, task: str, drafter_key: tuple, temperature: float, lenience: float):
+    """run_one(tokens, lengths, source, key) -> outputs of the speculative loop, blocking."""
     drafter, draft_params = self.drafter(*drafter_key)
     program = ("decode", task, *drafter_key)
     decode_fn = self.compiled(program, lambda: core.make_decode(self.target.model, drafter,
@@ -169,7 +189,7 @@ class Bench:
     run_one = lambda tokens, lengths, source, key: jax.block_until_ready(decode_fn(
         self.target.params, draft_params, tokens, lengths, key, temperature, self.decode.top_p,
         lenience, source))
-    return self.timed(program, task, run_one)
+    return self.warm(program, task, run_one)
 
   def start_seconds(self, task: str, drafter_key: tuple | None) -> float:
     """Time before the first token (the target's prefill, + the drafter's init) on the task's shape."""
@@ -198,11 +218,12 @@ def paired_decode_seconds(*sides) -> list[tuple[float, dict]]:
   found, for each side of a ratio: sides are (seconds per prompt, outputs, tokens, start_seconds())
   and all get ONE method. The loop's cost per iteration fitted over the prompts (timing.loop_seconds)
   where every side has MIN_FIT_PROMPTS prompts whose iteration counts spread, a fitted fixed cost
-  >= 0 and a per-iteration cost the fit pins down (see loop_seconds); else each total less its
-  start (timed apart), or, where that is not positive on some side, each whole total. A ratio of a
-  fit and a subtraction misled: 4 prompts of one pass fitted fixed costs of -616 to 1,119 ms per
-  prompt where the prefill took 264 ms."""
-  fits = [timing.loop_seconds(seconds, [int(np.asarray(o.target_calls)) for o in outs])
+  >= 0 and a per-iteration cost the fit pins down to MAX_FIT_ERROR (see loop_seconds); else each
+  total less its start (timed apart), or, where that is not positive on some side, each whole
+  total. A ratio of a fit and a subtraction misled: 4 prompts of one pass fitted fixed costs of -616
+  to 1,119 ms per prompt where the prefill took 264 ms."""
+  fits = [timing.loop_seconds(seconds, [int(np.asarray(o.target_calls)) for o in outs],
+                              max_relative_error=MAX_FIT_ERROR)
           if len(outs) >= MIN_FIT_PROMPTS else None for seconds, outs, _, _ in sides]
   by_fit = all(fit is not None and fit[1] >= 0 for fit in fits)
   if by_fit:
@@ -228,42 +249,50 @@ def paired_decode_seconds(*sides) -> list[tuple[float, dict]]:
       for (seconds, _, tokens, _), start_s in zip(sides, starts)]
 
 
-def in_turn(repeats: int, *runs, names: tuple[str, ...] = ()) -> list[list]:
-  """Each of `runs` called in turn, `repeats` times (a slow stretch of the machine falls on all of
-  them alike, not on whichever ran then): every run's results, in call order. Logs the wall time
-  each run took in all, under `names`, so a sweep's log shows where a point's time went."""
-  results, spent = [[] for _ in runs], [0.0] * len(runs)
-  for _ in range(repeats):
-    for i, (out, run_once) in enumerate(zip(results, runs)):
-      start = time.perf_counter()
-      out.append(run_once())
-      spent[i] += time.perf_counter() - start
-  names = names or tuple(f"run {i}" for i in range(len(runs)))
-  logging.info("timed in turn, %d x: %s", repeats,
-               ", ".join(f"{name} {seconds:.1f}s" for name, seconds in zip(names, spent)))
-  return results
-
-
-def median_pass(passes: list) -> tuple:
-  """(each prompt's median seconds, tokens, outputs of the last) over Bench passes."""
-  return (np.median([p[0] for p in passes], axis=0), *passes[-1][1:])
+def side_by_side(prompts: list, runs, repeats: int, between=None, times_between: int = 3,
+                 clock=time.perf_counter):
+  """Every prompt run by each of `runs` (run(*prompt) -> outputs, blocking) one after the other,
+  `repeats` passes over the prompts, the order of the runs reversed from one prompt to the next and
+  from one pass to the next (a machine slowing down or speeding up falls on every run alike), and
+  `between()` called at `times_between` evenly spaced places in every pass (the loop's parts timed
+  beside the decodes). -> (seconds[run, pass, prompt], the last pass's outputs by run,
+  what `between` returned, in call order)."""
+  seconds = np.zeros((len(runs), repeats, len(prompts)))
+  outputs = [[None] * len(prompts) for _ in runs]
+  marks = {len(prompts) * (k + 1) // times_between - 1 for k in range(times_between)}
+  between_results = []
+  for r in range(repeats):
+    for i, prompt in enumerate(prompts):
+      order = range(len(runs)) if (r + i) % 2 == 0 else reversed(range(len(runs)))
+      for j in order:
+        start = clock()
+        outputs[j][i] = runs[j](*prompt)
+        seconds[j, r, i] = clock() - start
+      if between is not None and i in marks:
+        between_results.append(between())
+  return seconds, outputs, between_results
 
 
 def measure(bench: Bench, task: str, drafter_key: tuple, temperature: float, lenience: float,
             repeats: int) -> dict:
-  """Time baseline and speculative decoding of one point side by side, and one iteration's parts in
-  turn with them, `repeats` times: the machine's speed drifts over a sweep (the greedy baseline of one
-  T5 sweep read 0.56-0.61 ms per token, then 0.73-0.94 for a minute), and predictions divide the
-  baseline's time by the parts'. -> the columns both sweeps report, and the outputs."""
+  """Time baseline and speculative decoding of one point side by side, prompt by prompt
+  (`side_by_side`), and one iteration's parts at three places in every pass: the machine's speed
+  drifts (the greedy baseline of one T5 sweep read 0.56-0.61 ms per token, then 0.73-0.94 for a
+  minute), and predictions divide the baseline's time by the parts'. -> the columns both sweeps
+  report, and the outputs."""
   time_parts = bench.part_timer(drafter_key)
-  base_runs, spec_runs, part_runs = in_turn(
-      repeats, lambda: bench.baseline(task, temperature),
-      lambda: bench.speculative(task, drafter_key, temperature, lenience),
-      # 3 medians of 9 in all (a single median of 9 steps moved by 20 % here)
-      lambda: time_parts(temperature, 9, rounds=-(-3 // repeats)),
-      names=("baseline", "speculative", "parts"))
-  (base_each, base_tokens, base_out), (spec_each, spec_tokens, spec_out) = map(
-      median_pass, (base_runs, spec_runs))
+  runs = (bench.baseline(task, temperature),
+          bench.speculative(task, drafter_key, temperature, lenience))
+  started = time.perf_counter()
+  seconds, (base_out, spec_out), part_runs = side_by_side(
+      bench.prompts[task], runs, repeats,
+      # medians of 9 steps, 3 a pass (a single median of 9 steps moved by 20 % here)
+      lambda: time_parts(temperature, 9, rounds=1))
+  logging.info("timed side by side, %d x: baseline %.1fs, speculative %.1fs, all %.1fs", repeats,
+               seconds[0].sum(), seconds[1].sum(), time.perf_counter() - started)
+  base_each, spec_each = np.median(seconds, axis=1)
+  count = lambda outs: sum(int(np.asarray(o.num_generated).sum()) for o in outs)
+  base_tokens, spec_tokens = count(base_out), count(spec_out)
   parts = {part: float(np.median([p[part] for p in part_runs])) for part in part_runs[0]}
   (base_decode, base_timing), (spec_decode, spec_timing) = paired_decode_seconds(
       (base_each, base_out, base_tokens, lambda: bench.start_seconds(task, None)),

@@ -1,5 +1,5 @@
-"""How long decoding takes, timed the way the benchmarks and sweeps share: passes over prompts, the
-loop's cost per iteration fitted over them, the work before the first token, single steps chained as
+"""How long decoding takes, timed the way the benchmarks and sweeps share: the loop's cost per
+iteration fitted over prompts, the work before the first token, single steps chained as
 the loop runs them, and one iteration's parts (draft, verify, accept): the very methods of the loop
 (decoding/core.py: Loop), whatever the drafter and its tree.
 
@@ -52,24 +52,6 @@ def read_bandwidth_gbps(megabytes: int = 512, repeats: int = 7) -> float:
     return (total > 0).astype(jnp.int32), step + 1
   seconds = step_seconds(read, data, jnp.zeros((), jnp.int32), None, None, repeats)
   return data.nbytes / seconds / 1e9
-
-
-def time_prompts(run_one, prompts, repeats: int, warmup: int) -> tuple[np.ndarray, list]:
-  """Each prompt's wall time, the median over `repeats` passes over all prompts (after `warmup`
-  untimed runs on the first prompt); run_one must block. Returns (seconds[N], the last pass's
-  outputs)."""
-  for _ in range(warmup):
-    run_one(*prompts[0])
-  passes, outputs = [], []
-  for _ in range(repeats):
-    outputs.clear()
-    times = []
-    for prompt in prompts:
-      start = time.perf_counter()
-      outputs.append(run_one(*prompt))
-      times.append(time.perf_counter() - start)
-    passes.append(times)
-  return np.median(np.asarray(passes), axis=0), outputs
 
 
 def loop_seconds(seconds, iterations, min_spread: int = 4, max_relative_error: float = 0.25

@@ -493,11 +493,30 @@ def test_paired_decode_seconds_uses_one_method_for_both_sides():
   assert [how["method"] for _, how in results] == ["prefill subtracted"] * 2
   # A fit whose per-iteration cost is lost in noise (timing.loop_seconds) is refused for both: here
   # its slope comes out positive and its fixed cost >= 0, but its standard error is over a quarter.
+  # So is one whose standard error is a tenth of it (noise of 0.16 s against 0.1 s per iteration
+  # over iteration counts 10-28), as SmolLM2's fits read; a twentieth of that noise is fitted.
   seconds, outs, tokens, prefill = side(spread, 0.6, 0.1, 2.5)
   noisy = (np.asarray(seconds) + np.random.RandomState(0).normal(0, 0.5, len(seconds)), outs, tokens,
            prefill)
   results = measure.paired_decode_seconds(side(spread, 0.3, 0.04, 1), noisy)
   assert [how["method"] for _, how in results] == ["prefill subtracted"] * 2
+  noise = np.random.RandomState(1).normal(0, 1, len(seconds))
+  fitted = np.polyfit(spread, noise, 1)
+  noise -= np.polyval(fitted, spread)  # the noise alone moves neither the slope nor the intercept
+  noise *= 0.16 / noise.std()
+  tenth = (np.asarray(seconds) + noise, outs, tokens, prefill)
+  per_iteration, _ = np.polyfit(spread, tenth[0], 1)
+  assert per_iteration == pytest.approx(0.1)
+  residual = tenth[0] - np.polyval(np.polyfit(spread, tenth[0], 1), spread)
+  standard_error = np.sqrt(residual @ residual / (len(spread) - 2)
+                           / np.sum((np.asarray(spread) - np.mean(spread)) ** 2))
+  assert 0.05 < standard_error / per_iteration < 0.25
+  results = measure.paired_decode_seconds(side(spread, 0.3, 0.04, 1), tenth)
+  assert [how["method"] for _, how in results] == ["prefill subtracted"] * 2
+  quiet = (np.asarray(seconds) + noise / 20, outs, tokens, prefill)
+  results = measure.paired_decode_seconds(side(spread, 0.3, 0.04, 1), quiet)
+  assert [how["method"] for _, how in results] == ["fit over prompts"] * 2
+  assert results[1][0] == pytest.approx(0.1 / 2.5)
   # A start timed apart that outlasts one side's whole decode (a tiny model on a busy machine):
   # both sides count their whole decode, never a negative time.
   slow_start = side(spread[:4], 0.001, 0.001, 1, prefill=0.5)
@@ -505,6 +524,45 @@ def test_paired_decode_seconds_uses_one_method_for_both_sides():
   assert [how["method"] for _, how in results] == [
       "whole decode (the start timed apart outlasted a decode)"] * 2
   assert results[1][0] == pytest.approx(sum(slow_start[0]) / slow_start[2]) and results[1][0] > 0
+
+
+def test_side_by_side_lets_a_drifting_machine_slow_both_sides_alike():
+  """Two runs doing the same work on a machine that slows down steadily (each run takes 1 ms more
+  than the one before, on a fake clock): prompt by prompt in alternating order, their totals come
+  out equal; whole passes in turn (the method before) would charge the second run every pass's
+  later, slower half. The parts' timer runs three times a pass at evenly spaced prompts, and the
+  outputs are the last pass's, by run."""
+  now, calls = [0.0], []
+
+  def clock():
+    return now[0]
+
+  def run(name):
+    def run_one(prompt):
+      calls.append((name, prompt))
+      now[0] += 1.0 + 0.001 * len(calls)
+      return f"{name}{prompt}"
+    return run_one
+
+  prompts = [(i,) for i in range(12)]
+  seconds, outputs, between = measure.side_by_side(prompts, (run("a"), run("b")), 4,
+                                                   lambda: len(calls), clock=clock)
+  assert seconds.shape == (2, 4, 12)
+  assert seconds[0].sum() == pytest.approx(seconds[1].sum(), rel=1e-9)
+  assert calls[:4] == [("a", 0), ("b", 0), ("b", 1), ("a", 1)]
+  assert calls[24:26] == [("b", 0), ("a", 0)]  # the next pass starts the other way round
+  assert between == [8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96]  # after prompts 3, 7, 11
+  assert outputs == [[f"a{i}" for i in range(12)], [f"b{i}" for i in range(12)]]
+  # The same work in whole passes in turn: the second run reads slower, the drift's artefact.
+  now[0], calls[:] = 0.0, []
+  in_turn = [[], []]
+  for _ in range(4):
+    for j, name in enumerate("ab"):
+      start = clock()
+      for prompt in prompts:
+        run(name)(*prompt)
+      in_turn[j].append(clock() - start)
+  assert sum(in_turn[1]) > sum(in_turn[0]) * 1.005
 
 
 def test_every_prompt_of_a_sweep_gets_its_own_key():
@@ -549,8 +607,9 @@ def test_sampled_runs_of_both_sweeps_draw_from_each_prompt_s_key(monkeypatch):
   bench = measure.Bench(target, {"humaneval": None}, decode, 0, "chat", ("layers1",),
                         largest_tree=spine.size)
   assert len(bench.prompts["humaneval"]) == 3
-  assert pattern(bench.baseline("humaneval", 1.0)[2]) == (True, True)
-  assert pattern(bench.speculative("humaneval", ("layers1", Tree.chain(2), True), 1.0,
-                                   1.0)[2]) == (True, True)
-  assert pattern(bench.speculative("humaneval", ("layers1", spine, False), 1.0,
-                                   1.0)[2]) == (True, True)
+  runs = lambda run_one: [run_one(*prompt) for prompt in bench.prompts["humaneval"]]
+  assert pattern(runs(bench.baseline("humaneval", 1.0))) == (True, True)
+  assert pattern(runs(bench.speculative("humaneval", ("layers1", Tree.chain(2), True), 1.0,
+                                        1.0))) == (True, True)
+  assert pattern(runs(bench.speculative("humaneval", ("layers1", spine, False), 1.0,
+                                        1.0))) == (True, True)
