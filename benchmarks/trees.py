@@ -11,7 +11,8 @@ without a run directory: for every drafter x tree x temperature, on the task's f
 held-out prompts (batch 1, EOS on, each prompt its own random key), the baseline and the tree loop
 are timed side by side prompt by prompt, `--repeats` passes (measure.side_by_side), one iteration's
 parts (draft, verify(T), accept: the loop's own methods, timing.iteration_timer) three times a pass,
-and both sides' decode ms per token found by one method (measure.paired_decode_seconds). Columns, as in trees.md of the sweep:
+and both sides' decode ms per token found by one method (measure.paired_decode_seconds). Columns,
+as in trees.md of the sweep:
 
   tokens / call   committed tokens per tree verification (after the first token);
   alpha by depth  conditional pass rate at depth d (passed d / reached d);
@@ -116,7 +117,8 @@ def main():
             f"kernels, batch 1, {len(bench.prompts[args.task])} held-out {args.task} prompts, "
             f"{args.new_tokens} new tokens, EOS on; {platform.machine()} with {os.cpu_count()} "
             f"cores, jax {jax.__version__}; {args.repeats} timed pass(es) per point, side by side "
-            f"with the baseline's prompt by prompt, the parts timed three times a pass. Total run {total_s / 60:.1f} min.")
+            f"with the baseline's prompt by prompt, the parts timed three times a pass. "
+            f"Total run {total_s / 60:.1f} min.")
   markdown = header + "\n\n" + tree_sweep.tree_table(rows).markdown()
   print(markdown)
   meta = {"args": vars(args), "jax": jax.__version__, "host": platform.node(),

@@ -8,8 +8,8 @@ prediction from the measured alpha and c, and, for greedy lossless points, wheth
 the baseline's token for token. The target's cost of scoring gamma + 1 tokens, v_gamma in one-token
 steps, is measured once per sweep, and each row also carries Thm 3.8 with v_gamma in place of 1
 (theory.speedup_with_verify_cost), and the prediction from one loop iteration's measured parts
-(draft + verify + accept, timed three times in each of the point's passes) in the baseline's decode time per
-token (theory.speedup_from_costs).
+(draft + verify + accept, timed three times in each of the point's passes) in the baseline's decode
+time per token (theory.speedup_from_costs).
 
 Either model family: for an encoder-decoder target (T5) the prompts are its sources, table drafters
 are counted on the reference outputs, and model drafts encode the source themselves.

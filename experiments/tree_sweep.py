@@ -6,9 +6,10 @@ held-out prompts (batch 1 each, EOS on), and writes one JSONL row: tokens per ta
 rate at every depth (alpha_d = passed / reached) and its expectation beta_d, the cost of one
 iteration's parts in the baseline's decode time per token (the drafter's candidates, the target
 verifying the T nodes: v(T), the acceptance walk with the cache compaction; timed three times in
-each of the point's passes), decode ms per token of both and the speedup, theory.tree_speedup's prediction from
-beta_d and those costs, and for greedy points whether the output equals the baseline's token for
-token. Then trees.md / trees.csv: the table of drafter kind x tree x temperature.
+each of the point's passes), decode ms per token of both and the speedup, theory.tree_speedup's
+prediction from beta_d and those costs, and for greedy points whether the output equals the
+baseline's token for token. Then trees.md / trees.csv: the table of drafter kind x tree x
+temperature.
 
 Drafters are any registered drafter names (specjax.drafters.registry): `heads:<dir>` (Medusa heads on
 the target's hidden states), `mtp:<dir>` (the shared MTP head applied recursively on them),
