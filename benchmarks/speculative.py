@@ -9,9 +9,10 @@ vs Leviathan's Thm 3.8.
 The speculative sweep's measurement (experiments/speculative_sweep.measure_point on an
 experiments/measure.Bench) without a run directory: for every drafter x gamma x temperature, on the
 task's first `--prompts` held-out prompts (batch 1, EOS on, each prompt its own random key), the
-baseline pass, the speculative pass and one iteration's parts (draft, verify, accept: the loop's own
-methods, timing.iteration_timer) are timed in turn `--repeats` times, and both sides' decode ms per
-token found by one method (measure.paired_decode_seconds). Columns:
+baseline and the speculative loop are timed side by side prompt by prompt, `--repeats` passes
+(measure.side_by_side), one iteration's parts (draft, verify, accept: the loop's own methods,
+timing.iteration_timer) three times a pass, and both sides' decode ms per token found by one
+method (measure.paired_decode_seconds). Columns:
 
   alpha         mean beta = sum_x min(target, draft) over reached draft positions; `accept` is the
                 empirical acceptance rate;
@@ -54,7 +55,7 @@ def parse_args():
   parser.add_argument("--gammas", default="1,2,3,4,5")
   parser.add_argument("--temperatures", default="0,1")
   parser.add_argument("--prompts", type=int, default=8)
-  parser.add_argument("--repeats", type=int, default=3, help="timed passes per point, in turn")
+  parser.add_argument("--repeats", type=int, default=3, help="timed passes per point")
   parser.add_argument("--new_tokens", type=int, default=64)
   parser.add_argument("--task", default="humaneval", help="a prompt set of specjax.data.prompts or a .jsonl")
   parser.add_argument("--checkpoint", default=specs.ModelSpec().checkpoint)
@@ -116,7 +117,7 @@ def table(args, target, rows, costs, prompts: int, total_s: float) -> str:
       f"held-out {args.task} prompts, {args.new_tokens} new tokens, EOS on, {args.dtype}"
       f"{' on the CPU kernels' if args.kernels == 'cpu' else ''}; {platform.machine()} "
       f"with {os.cpu_count()} cores, jax {jax.__version__}; {args.repeats} timed pass(es) per point, "
-      f"in turn with the baseline's and the parts'. Total run {total_s / 60:.1f} min.", "",
+      f"{measure.PASSES}. Total run {total_s / 60:.1f} min.", "",
       "Step costs (ms, batch 1): " + ", ".join(f"{n}: {ms:.2f}" for n, ms in costs.step_ms.items())
       + "; v by gamma: " + ", ".join(f"{g}: {v:.2f}" for g, v in costs.verify_cost.items()) + ".", "",
       "| drafter | temp | gamma | alpha | accept | tokens / call | c | v | baseline ms/token "

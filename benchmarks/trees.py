@@ -116,9 +116,8 @@ def main():
             f"{args.dtype or 'float32'} on {'the CPU' if args.kernels == 'cpu' else 'XLA'}'s "
             f"kernels, batch 1, {len(bench.prompts[args.task])} held-out {args.task} prompts, "
             f"{args.new_tokens} new tokens, EOS on; {platform.machine()} with {os.cpu_count()} "
-            f"cores, jax {jax.__version__}; {args.repeats} timed pass(es) per point, side by side "
-            f"with the baseline's prompt by prompt, the parts timed three times a pass. "
-            f"Total run {total_s / 60:.1f} min.")
+            f"cores, jax {jax.__version__}; {args.repeats} timed pass(es) per point, "
+            f"{measure.PASSES}. Total run {total_s / 60:.1f} min.")
   markdown = header + "\n\n" + tree_sweep.tree_table(rows).markdown()
   print(markdown)
   meta = {"args": vars(args), "jax": jax.__version__, "host": platform.node(),

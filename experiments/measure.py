@@ -47,6 +47,9 @@ MEASUREMENT = ("each prompt its own key from (seed, task, prompt id); baseline a
                "three times a pass; both sides of a speedup by one method; loop fits refused beyond "
                "a standard error of 1/20, else the start (median of 9) subtracted")
 
+# How the passes of a point are timed, for the headers of the benchmarks' tables.
+PASSES = "side by side with the baseline's prompt by prompt, the parts timed three times a pass"
+
 # Prompts a side needs before its loop cost is fitted rather than its prefill subtracted.
 MIN_FIT_PROMPTS = 8
 # The largest standard error, relative to the per-iteration cost, of a fit that is used. Most of
