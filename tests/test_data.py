@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from specjax import assets
-from specjax.data import gettext, prompts, splits
+from specjax.data import catalogs, gettext, prompts, splits
 from specjax.tokenizer import SMOLLM2_SYSTEM_PROMPT
 
 
@@ -141,6 +141,23 @@ def test_parse_po_handles_escapes_continuations_and_flags():
   assert entries[2]["msgctxt"] == "month" and entries[2]["msgstr"] == "Mai"
   assert entries[3]["msgstr"] == 'Sag "hallo"\n' and "msgctxt" not in entries[3]
   assert entries[4]["msgstr[1]"] == "%d Dateien" and entries[4]["msgid_plural"] == "%d files"
+  assert not any("default" in e for e in entries)
+
+
+def test_parse_po_reads_zope_default_comments():
+  """Zope / Plone catalogs use ids as msgids and give the English in a `#. Default:` comment; a
+  comment that is not a quoted string stays a comment."""
+  text = '\n'.join([
+      '#. Default: "Save \\"${title}\\""', '#: plone/app/edit.py:12', 'msgid "label_save_title"',
+      'msgstr "\\"${title}\\" speichern"', '',
+      '#. Default: see the ticket', 'msgid "Cancel"', 'msgstr "Abbrechen"',
+  ])
+  entries = gettext.parse_po(text)
+  assert entries[0]["default"] == 'Save "${title}"' and entries[0]["msgid"] == "label_save_title"
+  assert "default" not in entries[1]
+  assert catalogs.singular_pairs(entries) == [('Save "${title}"', '"${title}" speichern'),
+                                              ("Cancel", "Abbrechen")]
+  assert catalogs.english_messages(entries) == {"label_save_title", 'Save "${title}"', "Cancel"}
 
 
 # ---- make_batch -------------------------------------------------------------------------------------

@@ -7,6 +7,10 @@ decides which copy of a repeated pair is kept:
                     source);
   system:<domain>   the system's compiled catalogs, /usr/share/locale/{de,de_DE,de_AT,de_CH}/
                     LC_MESSAGES/<domain>.mo (coreutils, libc, iso_639-3, postgres, ...);
+  pretix, weblate, django-oscar, ...
+                    the German catalogs of web applications on PyPI (TRAINING_PACKAGES, installed
+                    with --no-deps, data only): the held-out packages' domain, which the system's
+                    command-line tools and ISO names do not cover;
   wagtail, django-allauth, sphinx
                     the German catalogs shipped inside these PyPI packages (installed with
                     --no-deps, data only). They are HELD OUT: each of their pairs goes to the
@@ -14,7 +18,8 @@ decides which copy of a repeated pair is kept:
                     not, singular or plural) is dropped from every other source, so no held-out
                     reference's source is trained on and the splits stay disjoint by English.
 One pair per catalog entry, the singular: msgid -> msgstr (a plural entry's msgid -> its first
-form), without context. Cleaning: surrounding whitespace stripped; pairs whose English or German is
+form), without context. Where a `#. Default: "..."` comment gives the English (Zope / Plone catalogs,
+whose msgids are identifiers such as `label_title`), that text is the English. Cleaning: surrounding whitespace stripped; pairs whose English or German is
 empty or longer than MAX_CHARS (400) characters dropped; placeholders (`%s`, `%(name)s`, `{0}`,
 `%1$s`, ...) and markup left exactly as translators wrote them; an exact (English, German) pair
 counts once.
@@ -44,6 +49,16 @@ GERMAN_LOCALES = ("de", "de_DE", "de_AT", "de_CH")
 # source name -> the asset (specjax.assets.ASSETS) of the package whose catalogs are held out.
 HELDOUT_PACKAGES = {"wagtail": "wagtail_de_po", "django-allauth": "allauth_de_po",
                     "sphinx": "sphinx_de_po"}
+# source name -> the asset of a package whose catalogs are trained on (split by English message).
+TRAINING_PACKAGES = {"pretix": "pretix_de_catalogs", "weblate": "weblate_de_catalogs",
+                     "django-oscar": "oscar_de_catalogs", "django-cms": "cms_de_catalogs",
+                     "plone.app.locales": "plone_de_catalogs",
+                     "jupyterlab": "jupyterlab_language_pack_de_DE_de_catalogs",
+                     "djangorestframework": "rest_framework_de_catalogs",
+                     "django-filer": "filer_de_catalogs",
+                     "django-debug-toolbar": "debug_toolbar_de_catalogs",
+                     "django-two-factor-auth": "two_factor_de_catalogs",
+                     "django-celery-beat": "django_celery_beat_de_catalogs"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +82,10 @@ def split_of(pair: CatalogPair) -> str:
 # ---- reading the catalogs ------------------------------------------------------------------------
 
 def _german_catalogs(root: pathlib.Path, pattern: str) -> list[pathlib.Path]:
-  """Sorted `<locale>/LC_MESSAGES/<pattern>` files under root's German locale directories, at any
-  depth (a package keeps one locale directory per app)."""
-  return sorted(path for locale in GERMAN_LOCALES
-                for path in root.glob(f"**/locale/{locale}/LC_MESSAGES/{pattern}"))
+  """Sorted `locale[s]/<locale>/LC_MESSAGES/<pattern>` files under root's German locale
+  directories, at any depth (a package keeps one locale directory per app)."""
+  return sorted(path for locale in GERMAN_LOCALES for directory in ("locale", "locales")
+                for path in root.glob(f"**/{directory}/{locale}/LC_MESSAGES/{pattern}"))
 
 
 def _package_catalogs(root: pathlib.Path) -> list[pathlib.Path]:
@@ -99,7 +114,7 @@ def singular_pairs(entries: list[dict]) -> list[tuple[str, str]]:
   for entry in entries:
     if entry.get("obsolete") or "fuzzy" in entry.get("flags", ()):
       continue
-    english = entry.get("msgid", "").strip()
+    english = entry.get("default", entry.get("msgid", "")).strip()
     german = entry.get("msgstr", entry.get("msgstr[0]", "")).strip()
     if english and german and len(english) <= MAX_CHARS and len(german) <= MAX_CHARS:
       pairs.append((english, german))
@@ -107,14 +122,21 @@ def singular_pairs(entries: list[dict]) -> list[tuple[str, str]]:
 
 
 def english_messages(entries: list[dict]) -> set[str]:
-  """Every English text of a catalog, translated or not: msgids and plural msgids, stripped."""
-  return {entry[key].strip() for entry in entries for key in ("msgid", "msgid_plural")
+  """Every English text of a catalog, translated or not: msgids, plural msgids and `#. Default:`
+  texts, stripped."""
+  return {entry[key].strip() for entry in entries for key in ("msgid", "msgid_plural", "default")
           if entry.get(key, "").strip()}
 
 
 def heldout_package_root(source: str) -> pathlib.Path:
   """A held-out package's installed directory; MissingAssetError with its pip command if absent."""
-  asset = assets.ASSETS[HELDOUT_PACKAGES[source]]
+  return package_root(HELDOUT_PACKAGES[source])
+
+
+def package_root(asset_name: str) -> pathlib.Path:
+  """The installed directory of a package whose German catalogs are read; MissingAssetError with
+  its pip command if it is absent or has none."""
+  asset = assets.ASSETS[asset_name]
   root = assets.package_dir(asset.package, asset.requirement)
   if not _package_catalogs(root):
     raise assets.MissingAssetError(f"no German gettext catalogs under {root}; reinstall "
@@ -123,8 +145,8 @@ def heldout_package_root(source: str) -> pathlib.Path:
 
 
 def catalog_files() -> list[tuple[str, pathlib.Path]]:
-  """(source, file) of every catalog read, in source order: django, system:<domain>, the held-out
-  packages."""
+  """(source, file) of every catalog read, in source order: django, system:<domain>, the trained-on
+  packages, the held-out packages."""
   django = _german_catalogs(gettext.django_root(), "*.po")
   if not django:
     raise assets.MissingAssetError(f"no German catalogs under {gettext.django_root()}; reinstall "
@@ -132,6 +154,8 @@ def catalog_files() -> list[tuple[str, pathlib.Path]]:
   files = [("django", path) for path in django]
   files += sorted((f"system:{path.stem}", path) for locale in GERMAN_LOCALES
                   for path in (SYSTEM_LOCALE_DIR / locale / "LC_MESSAGES").glob("*.mo"))
+  for source, asset_name in TRAINING_PACKAGES.items():
+    files += [(source, path) for path in _package_catalogs(package_root(asset_name))]
   for source in HELDOUT_PACKAGES:
     files += [(source, path) for path in _package_catalogs(heldout_package_root(source))]
   return files

@@ -22,6 +22,7 @@ No TensorFlow here: the training command and the embedded experiment read these 
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import pathlib
@@ -32,6 +33,7 @@ from specjax.data.splits import HELDOUT_PERCENT, hash_percent
 TASKS = ("gettext_translate", "gettext_ende")
 SPLITS = ("train", "validation", "heldout")
 VALIDATION_PERCENT = 3
+DEFAULT_COMMENT = "#. Default:"
 EVALUATION_LOCALE = "de"
 PREFIX = "translate English to {language}: "
 
@@ -147,7 +149,8 @@ def evaluation_items() -> list[tuple[str, str, str]]:
 
 def parse_po(text: str) -> list[dict]:
   """A gettext .po catalog -> entries {'msgid', 'msgstr' | 'msgstr[n]', 'msgctxt', 'msgid_plural',
-  'flags': set, 'obsolete': bool} with strings unescaped and continuation lines joined."""
+  'flags': set, 'obsolete': bool, 'default'} with strings unescaped and continuation lines joined;
+  'default' is the English of a `#. Default: "..."` comment (Zope catalogs, whose msgids are ids)."""
   entries, entry, keyword = [], {}, None
 
   def flush():
@@ -169,6 +172,9 @@ def parse_po(text: str) -> list[dict]:
         flush()
       if line.startswith("#,"):
         entry.setdefault("flags", set()).update(f.strip() for f in line[2:].split(","))
+      elif line.startswith(DEFAULT_COMMENT):
+        with contextlib.suppress(ValueError):  # a comment in another form is only a comment
+          entry["default"] = _po_unquote(line[len(DEFAULT_COMMENT):].strip())
     elif line.startswith('"'):
       if keyword is None:
         raise ValueError(f"malformed .po line (string without keyword): {raw!r}")
