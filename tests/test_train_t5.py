@@ -108,6 +108,39 @@ def test_interrupted_training_resumes_to_identical_parameters(tmp_path, vocabula
   assert whole["validation_curve"] == resumed["validation_curve"]  # the cut run's step 20 included
 
 
+def test_adafactor_steps_relative_to_each_parameter_and_trains_and_resumes(tmp_path,
+                                                                            vocabulary_path):
+  """T5's optimizer: a step moves each parameter by about learning_rate times its own RMS (AdamW:
+  by about learning_rate, whatever the parameter's scale), and a tiny T5 trained with it learns and
+  resumes bit for bit."""
+  rng = np.random.default_rng(0)
+  params = {"embedding": rng.standard_normal((256, 64)).astype(np.float32),         # std 1
+            "kernel": 0.02 * rng.standard_normal((64, 256)).astype(np.float32)}     # std 0.02
+  grads = jax.tree_util.tree_map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)
+  rms = lambda x: float(np.sqrt(np.mean(np.square(x))))
+  for optimizer, expected in ((None, {"embedding": 1e-3, "kernel": 1e-3 / 0.02}),
+                              ("adafactor", {"embedding": 1e-3, "kernel": 1e-3})):
+    spec = trainer.TrainSpec(steps=10, learning_rate=1e-3, warmup_steps=0, weight_decay=0.0,
+                             clip_norm=1e9, optimizer=optimizer)
+    tx = trainer.make_optimizer(spec)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    relative = {name: rms(updates[name]) / rms(params[name]) for name in params}
+    for name, value in expected.items():  # within 30 %: Adafactor's factored second moments
+      assert relative[name] == pytest.approx(value, rel=0.3), (optimizer, relative)
+  with pytest.raises(ValueError, match="adafactor"):
+    trainer.TrainSpec(optimizer="sgd")
+
+  adafactor = dataclasses.replace(SPEC, optimizer="adafactor", learning_rate=3e-2)
+  whole = _train(tmp_path / "whole", vocabulary_path, spec=adafactor)
+  assert whole["validation_after"]["loss"] < whole["validation_before"]["loss"] - 1.0
+  assert _train(tmp_path / "cut", vocabulary_path, spec=adafactor, stop_after_step=20) == {
+      "stopped_after_step": 20}
+  _train(tmp_path / "cut", vocabulary_path, spec=adafactor)
+  _, a = checkpoints.load(tmp_path / "whole" / "hf")
+  _, b = checkpoints.load(tmp_path / "cut" / "hf")
+  jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
+
+
 def test_fine_tuning_starts_from_the_checkpoint(tmp_path, vocabulary_path):
   _train(tmp_path / "base", vocabulary_path, spec=dataclasses.replace(SPEC, steps=10))
   tuned = _train(tmp_path / "tuned", vocabulary_path, spec=dataclasses.replace(SPEC, steps=10),

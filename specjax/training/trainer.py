@@ -24,6 +24,9 @@ from absl import logging
 from tqdm import tqdm
 
 
+OPTIMIZERS = (None, "adafactor")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainSpec:
   steps: int = 300
@@ -35,10 +38,17 @@ class TrainSpec:
   validation_fraction: float = 0.05  # of the training sequences, chosen by a hash of their prompt
   checkpoint_every: int = 100
   bucket: int = 64                   # sequences are padded to a multiple of this (few compiles)
+  # None: AdamW. "adafactor": T5's optimizer, whose step is relative to each parameter's scale
+  # (learning_rate about 1e-2; weight_decay unused). None rather than "adamw", so that the runs'
+  # fingerprints from before this setting existed still match.
+  optimizer: str | None = None
 
   def __post_init__(self):
     if self.steps < 1 or self.tokens_per_batch < 1 or self.checkpoint_every < 1:
       raise ValueError("steps, tokens_per_batch and checkpoint_every must be >= 1")
+    if self.optimizer not in OPTIMIZERS:
+      raise ValueError(f"TrainSpec.optimizer = {self.optimizer!r}; choose one of {OPTIMIZERS} "
+                       "(None is AdamW)")
     if not 0.0 < self.validation_fraction < 1.0:
       raise ValueError(f"validation_fraction must lie in (0, 1), got {self.validation_fraction}")
 
@@ -50,9 +60,14 @@ def make_optimizer(spec: TrainSpec):
   # Decay matrices only; the embedding's unseen rows keep their (projected) start.
   decay = lambda params: {name: jax.tree_util.tree_map(lambda x: x.ndim == 2 and name != "embedding",
                                                        leaf) for name, leaf in params.items()}
-  return optax.chain(optax.clip_by_global_norm(spec.clip_norm),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=spec.weight_decay,
-                                 mask=decay))
+  if spec.optimizer == "adafactor":
+    # As T5X configures it: factored second moments, no momentum, updates clipped to RMS 1 and
+    # scaled by each parameter's RMS, so the embedding (std 1) moves as fast as the kernels.
+    update = optax.adafactor(schedule, multiply_by_parameter_scale=True, clipping_threshold=1.0,
+                             decay_rate=0.8, momentum=None)
+  else:
+    update = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=spec.weight_decay, mask=decay)
+  return optax.chain(optax.clip_by_global_norm(spec.clip_norm), update)
 
 
 def batch_order(num_batches: int, step: int, seed: int) -> int:
