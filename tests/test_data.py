@@ -145,19 +145,33 @@ def test_parse_po_handles_escapes_continuations_and_flags():
 
 
 def test_parse_po_reads_zope_default_comments():
-  """Zope / Plone catalogs use ids as msgids and give the English in a `#. Default:` comment; a
-  comment that is not a quoted string stays a comment."""
+  """Zope / Plone catalogs use ids as msgids and give the English in a `#. Default:` comment (wrapped
+  onto `#. "..."` lines when long); a comment that is not a quoted string stays a comment. Pairs take
+  an id's Default as the English, drop an id without one, and keep a text msgid as the English."""
   text = '\n'.join([
       '#. Default: "Save \\"${title}\\""', '#: plone/app/edit.py:12', 'msgid "label_save_title"',
-      'msgstr "\\"${title}\\" speichern"', '',
-      '#. Default: see the ticket', 'msgid "Cancel"', 'msgstr "Abbrechen"',
+      'msgstr "\\"${title}\\" speichern"',
+      '#. Default: "Remove the item from "', '#. "the folder"', 'msgid "help_remove"',
+      'msgstr "Das Element aus dem Ordner entfernen"', '',
+      '#. Default: see the ticket', 'msgid "Cancel"', 'msgstr "Abbrechen"', '',
+      '#. Default: "Order in folder, and more"', 'msgid "Order in folder"',
+      'msgstr "Reihenfolge im Ordner"', '',
+      'msgid "daily_interval_2"', 'msgstr "Tage"',
   ])
   entries = gettext.parse_po(text)
-  assert entries[0]["default"] == 'Save "${title}"' and entries[0]["msgid"] == "label_save_title"
-  assert "default" not in entries[1]
-  assert catalogs.singular_pairs(entries) == [('Save "${title}"', '"${title}" speichern'),
-                                              ("Cancel", "Abbrechen")]
-  assert catalogs.english_messages(entries) == {"label_save_title", 'Save "${title}"', "Cancel"}
+  assert [e["msgid"] for e in entries] == ["label_save_title", "help_remove", "Cancel",
+                                           "Order in folder", "daily_interval_2"]
+  assert entries[0]["default"] == 'Save "${title}"'
+  assert entries[1]["default"] == "Remove the item from the folder"  # the comment after a
+  assert "default" not in entries[2] and "default" not in entries[4]  # translated entry opens the next
+  assert catalogs.singular_pairs(entries) == [
+      ('Save "${title}"', '"${title}" speichern'),
+      ("Remove the item from the folder", "Das Element aus dem Ordner entfernen"),
+      ("Cancel", "Abbrechen"), ("Order in folder", "Reihenfolge im Ordner")]
+  # Without Default comments a catalog is not a Zope one: an id-like msgid is its English.
+  assert catalogs.singular_pairs(gettext.parse_po('msgid "add_date"\nmsgstr "x"')) == [
+      ("add_date", "x")]
+  assert {"label_save_title", 'Save "${title}"', "Cancel"} <= catalogs.english_messages(entries)
 
 
 # ---- make_batch -------------------------------------------------------------------------------------

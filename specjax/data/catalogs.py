@@ -1,7 +1,7 @@
 """English -> German pairs from every German gettext catalog offline: the `catalogs_ende` task.
 
 Django's catalogs alone give the German pair a few thousand messages; the machine's own compiled
-catalogs and three Python packages add tens of thousands more. Sources, in the fixed order that
+catalogs and fourteen Python packages add tens of thousands more. Sources, in the fixed order that
 decides which copy of a repeated pair is kept:
   django            Django's German `.po` catalogs (the `django` asset package; the gettext tasks'
                     source);
@@ -19,7 +19,8 @@ decides which copy of a repeated pair is kept:
                     reference's source is trained on and the splits stay disjoint by English.
 One pair per catalog entry, the singular: msgid -> msgstr (a plural entry's msgid -> its first
 form), without context. Where a `#. Default: "..."` comment gives the English (Zope / Plone catalogs,
-whose msgids are identifiers such as `label_title`), that text is the English. Cleaning: surrounding whitespace stripped; pairs whose English or German is
+whose msgids are often identifiers such as `label_title`), that text is an id's English; an id
+without one is dropped. Cleaning: surrounding whitespace stripped; pairs whose English or German is
 empty or longer than MAX_CHARS (400) characters dropped; placeholders (`%s`, `%(name)s`, `{0}`,
 `%1$s`, ...) and markup left exactly as translators wrote them; an exact (English, German) pair
 counts once.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
+import re
 import struct
 
 from absl import logging
@@ -44,6 +46,7 @@ TASK = "catalogs_ende"
 HELDOUT_SPLIT = "heldout_catalogs"
 SPLITS = gettext.SPLITS + (HELDOUT_SPLIT,)
 MAX_CHARS = 400
+_ID = re.compile(r"[A-Za-z0-9.-]*_[A-Za-z0-9_.-]*")  # a msgid that names a message: label_title
 SYSTEM_LOCALE_DIR = pathlib.Path("/usr/share/locale")
 GERMAN_LOCALES = ("de", "de_DE", "de_AT", "de_CH")
 # source name -> the asset (specjax.assets.ASSETS) of the package whose catalogs are held out.
@@ -63,7 +66,7 @@ TRAINING_PACKAGES = {"pretix": "pretix_de_catalogs", "weblate": "weblate_de_cata
 
 @dataclasses.dataclass(frozen=True)
 class CatalogPair:
-  source: str     # 'django', 'system:<domain>' or a held-out package's name
+  source: str     # 'django', 'system:<domain>', or a trained-on or held-out package's name
   catalog: str    # the file the pair was read from
   locale: str     # the catalog's locale directory, e.g. 'de', 'de_CH'
   english: str
@@ -107,14 +110,25 @@ def read_catalog(path: pathlib.Path) -> list[dict]:
                      "ships it, or remove it") from error
 
 
+def _english(entry: dict, zope: bool) -> str:
+  """An entry's English: its msgid, or in a Zope catalog, where an id such as `label_title` stands
+  for the text, its Default ("" when it has none: the entry is dropped)."""
+  msgid = entry.get("msgid", "").strip()
+  if zope and _ID.fullmatch(msgid):
+    return entry.get("default", "").strip()
+  return msgid
+
+
 def singular_pairs(entries: list[dict]) -> list[tuple[str, str]]:
   """(English, German) of each translated entry, cleaned: the singular form, whitespace stripped;
-  the header (empty msgid), fuzzy and obsolete entries, empty and over-long texts dropped."""
+  the header (empty msgid), fuzzy and obsolete entries, empty and over-long texts dropped. A catalog
+  with `#. Default:` comments is a Zope one: its id msgids take their Default as the English."""
+  zope = any("default" in entry for entry in entries)
   pairs = []
   for entry in entries:
     if entry.get("obsolete") or "fuzzy" in entry.get("flags", ()):
       continue
-    english = entry.get("default", entry.get("msgid", "")).strip()
+    english = _english(entry, zope)
     german = entry.get("msgstr", entry.get("msgstr[0]", "")).strip()
     if english and german and len(english) <= MAX_CHARS and len(german) <= MAX_CHARS:
       pairs.append((english, german))

@@ -152,6 +152,7 @@ def parse_po(text: str) -> list[dict]:
   'flags': set, 'obsolete': bool, 'default'} with strings unescaped and continuation lines joined;
   'default' is the English of a `#. Default: "..."` comment (Zope catalogs, whose msgids are ids)."""
   entries, entry, keyword = [], {}, None
+  default_continues = False  # the last line was a Default comment's (or its continuation's)
 
   def flush():
     nonlocal entry
@@ -162,6 +163,8 @@ def parse_po(text: str) -> list[dict]:
   for raw in text.splitlines():
     line = raw.strip()
     has_translation = any(k.startswith("msgstr") for k in entry)
+    if not line.startswith("#"):
+      default_continues = False
     if not line:
       flush()
       keyword = None
@@ -175,6 +178,13 @@ def parse_po(text: str) -> list[dict]:
       elif line.startswith(DEFAULT_COMMENT):
         with contextlib.suppress(ValueError):  # a comment in another form is only a comment
           entry["default"] = _po_unquote(line[len(DEFAULT_COMMENT):].strip())
+          default_continues = True
+          continue
+      elif default_continues and line.startswith('#. "'):  # a long Default, wrapped
+        with contextlib.suppress(ValueError):
+          entry["default"] += _po_unquote(line[2:].strip())
+          continue
+      default_continues = False
     elif line.startswith('"'):
       if keyword is None:
         raise ValueError(f"malformed .po line (string without keyword): {raw!r}")
