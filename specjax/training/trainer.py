@@ -1,5 +1,5 @@
-"""Training loops shared by the draft distillation and model training: optax AdamW with warmup +
-cosine decay and global-norm clipping, batches in a seeded order fixed by the step number, orbax
+"""Training loops shared by the draft distillation and model training: optax AdamW (or Adafactor,
+TrainSpec.optimizer) with warmup + cosine decay and global-norm clipping, batches in a seeded order fixed by the step number, orbax
 checkpoints with exact resume, tqdm progress with ETA.
 
 `fit` trains any trainer: an object with `spec` (TrainSpec), `optimizer` (optax) and a jitted
