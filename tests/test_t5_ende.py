@@ -44,6 +44,12 @@ def test_the_experiments_configs_parse_and_train_on_the_task():
   for name in ("target", "draft_small", "draft_base", "draft_large", "sweep", "lenience"):
     gin.clear_config()
     run.parse_gin([str(CONFIGS / f"{name}.gin")], [])
+    if name.startswith("draft"):
+      # A draft includes target.gin: it must not inherit the target's Adafactor at its own rate.
+      assert gin.get_configurable(trainer.TrainSpec)().optimizer is None, name
+  gin.clear_config()
+  run.parse_gin([str(CONFIGS / "target.gin")], [])
+  assert gin.get_configurable(trainer.TrainSpec)().optimizer == "adafactor"
   gin.clear_config()
   run.parse_gin([str(CONFIGS / "target.gin")], [])
   task = gin.get_configurable(seq2seq.TaskSpec)()
