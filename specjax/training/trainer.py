@@ -1,6 +1,6 @@
 """Training loops shared by the draft distillation and model training: optax AdamW (or Adafactor,
-TrainSpec.optimizer) with warmup + cosine decay and global-norm clipping, batches in a seeded order fixed by the step number, orbax
-checkpoints with exact resume, tqdm progress with ETA.
+TrainSpec.optimizer) with warmup + cosine decay and global-norm clipping, batches in a seeded order
+fixed by the step number, orbax checkpoints with exact resume, tqdm progress with ETA.
 
 `fit` trains any trainer: an object with `spec` (TrainSpec), `optimizer` (optax) and a jitted
 `train_step(params, opt_state, batch) -> (params, opt_state, loss)`. Because the batch a step trains
