@@ -9,9 +9,9 @@ out/t5_ende/; the 2,315 messages of the wagtail, django-allauth and sphinx catal
 Decodes them with `python -m specjax.run`'s generate job: the target alone, then speculatively with each
 draft, batches of `batch_size` right-padded sources with ragged acceptance per row. Prints, per decoding,
 how many outputs equal the target's token for token, BLEU and chrF (sacrebleu) against the catalogs'
-translations, the target calls, and the decode time against the target alone; copying the English
-source is the quality floor. Writes benchmarks/results/<experiment>_greedy.md. Runs unchanged on
-GPU / TPU (with --kernels xla).
+translations (outputs with their placeholders restored), the target calls, and the decode time
+against the target alone; copying the English source is the quality floor. Writes
+benchmarks/results/<experiment>_greedy.md. Runs unchanged on GPU / TPU (with --kernels xla).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import gin
 import sacrebleu
 
 from specjax import run
-from specjax.data import prompts
+from specjax.data import placeholders, prompts
 
 DRAFTS = ("draft_small", "draft_base", "draft_large")
 PROMPT_SETS = {"t5_gettext": ("gettext_ende", "heldout"), "t5_ende": ("heldout_catalogs", "all")}
@@ -61,6 +61,8 @@ def main():
   messages = prompts.load_prompt_set(name, split, args.limit, "t5")
   reference = dict(zip(messages.keys, messages.references))
   keys = list(messages.keys)
+  # Outputs are scored as shipped: the English's placeholders restored (protected prompt sets).
+  shipped = lambda rows: [placeholders.restore(rows[k]["text"], placeholders.find(k)) for k in keys]
   quality = lambda texts: (sacrebleu.corpus_bleu(texts, [[reference[k] for k in keys]]).score,
                            sacrebleu.corpus_chrf(texts, [[reference[k] for k in keys]]).score)
   target = {r["key"]: r for r in generate(out, "target", None, args)}
@@ -78,14 +80,14 @@ def main():
   bleu, chrf = quality(keys)  # the English source itself
   lines.append(f"| copying the English source | - | {bleu:.1f} | {chrf:.1f} | - | - | - | - |")
   base_seconds = seconds(target.values())
-  bleu, chrf = quality([target[k]["text"] for k in keys])
+  bleu, chrf = quality(shipped(target))
   tokens = sum(r["num_generated"] for r in target.values())
   lines.append(f"| target alone | - | {bleu:.1f} | {chrf:.1f} | {tokens} | "
                f"{calls(target.values())} | {base_seconds:.2f} | 1.00x |")
   for draft in DRAFTS:
     rows = {r["key"]: r for r in generate(out, draft, f"model:out/{args.experiment}/{draft}/hf", args)}
     equal = sum(r["new_tokens"] == target[k]["new_tokens"] for k, r in rows.items())
-    bleu, chrf = quality([rows[k]["text"] for k in keys])
+    bleu, chrf = quality(shipped(rows))
     lines.append(f"| speculative, {draft} | {equal} / {len(rows)} | {bleu:.1f} | {chrf:.1f} | "
                  f"{sum(r['num_generated'] for r in rows.values())} | {calls(rows.values())} | "
                  f"{seconds(rows.values()):.2f} | {base_seconds / seconds(rows.values()):.2f}x |")

@@ -31,7 +31,8 @@ def trained(tmp_path_factory):
   """(directory, vocabulary path, target summary): a tiny target and a draft distilled from it."""
   root = tmp_path_factory.mktemp("t5_ende")
   vocabulary_path = root / "spiece.model"
-  vocabularies.train(tasks.texts_for_vocabulary(catalogs.TASK), vocabulary_path, 400)
+  vocabularies.train(tasks.texts_for_vocabulary(catalogs.TASK), vocabulary_path, 400,
+                     user_defined_symbols=list(tasks.vocabulary_symbols(catalogs.TASK)))
   task = seq2seq.TaskSpec(task=catalogs.TASK, vocabulary=str(vocabulary_path), max_input_length=32,
                           max_target_length=32, validation_limit=256)
   summary = seq2seq.train(output_dir=str(root / "target"), task=task, model=TARGET, training=SPEC)

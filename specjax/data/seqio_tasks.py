@@ -24,7 +24,9 @@ prefixes, so a public T5 checkpoint sees the inputs it was fine-tuned on):
   specjax_gettext_translate, specjax_gettext_ende, specjax_catalogs_ende
                            `specjax.data.tasks.examples(...)` exactly, in their order (splits
                            train / validation / heldout, and catalogs_ende's heldout_catalogs).
-                           BLEU metric.
+                           BLEU metric (catalogs_ende's on the texts with placeholder symbols: its
+                           examples' restoring tables are not features here; the training run's
+                           evaluation scores restored text).
 No metric for the summarization tasks: ROUGE's package is not among the dependencies.
 
 Tokenization is seqio's own (tensorflow-text's SentencePiece, in the graph). It breaks exact score

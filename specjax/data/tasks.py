@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 
-from specjax.data import catalogs, gettext
+from specjax.data import catalogs, gettext, placeholders
 
 TASKS = gettext.TASKS + (catalogs.TASK,)
 EVALUATION_LOCALE = gettext.EVALUATION_LOCALE
@@ -29,12 +29,19 @@ def task_splits(task: str) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=None)
 def examples(task: str, split: str) -> tuple[dict, ...]:
   """The task's examples {'inputs', 'targets', 'locale'} of one split, in its reader's order
-  (catalogs_ende's counts per source and split are logged)."""
+  (catalogs_ende's, with 'placeholders' too, and its counts per source and split logged)."""
   check_task(task)
   if task == catalogs.TASK:
     catalogs.log_counts()
     return catalogs.examples(split)
   return gettext.examples(task, split)
+
+
+def vocabulary_symbols(task: str) -> tuple[str, ...]:
+  """Pieces a vocabulary trained for the task must keep whole: catalogs_ende's placeholders'
+  symbols."""
+  check_task(task)
+  return placeholders.SYMBOLS if task == catalogs.TASK else ()
 
 
 def texts_for_vocabulary(task: str) -> list[str]:

@@ -32,7 +32,7 @@ from absl import logging
 
 from specjax import checkpoints, contracts, launch, loading, models, outputs, sharding
 from specjax.decoding import autoregressive
-from specjax.data import prompts, tasks
+from specjax.data import placeholders, prompts, tasks
 from specjax import vocabulary as vocabularies
 from specjax.checkpoints import hf_t5, t5x
 from specjax.models import t5
@@ -177,7 +177,13 @@ def obtain_vocabulary(task_spec: TaskSpec, output_dir: pathlib.Path):
     return vocabularies.SentencePieceVocabulary.from_file(path, task_spec.extra_ids), path
   path = output_dir / "spiece.model"
   if path.is_file():
-    return vocabularies.SentencePieceVocabulary.from_file(path, task_spec.extra_ids), path
+    vocab = vocabularies.SentencePieceVocabulary.from_file(path, task_spec.extra_ids)
+    whole = [symbol in map(vocab.id_to_piece, vocab.encode(symbol, add_eos=False))
+             for symbol in tasks.vocabulary_symbols(task_spec.task)]
+    if not all(whole):
+      raise ValueError(f"{path} was trained without the {task_spec.task} task's placeholder "
+                       "symbols (<ph0> ...): delete it and its run's checkpoints, and train again")
+    return vocab, path
   if not is_offline(task_spec.task):
     raise ValueError(f"the seqio task {task_spec.task} needs TaskSpec.vocabulary (a SentencePiece "
                      "model, e.g. T5's gs://t5-data/vocabs/cc_all.32000/sentencepiece.model): a "
@@ -185,9 +191,11 @@ def obtain_vocabulary(task_spec: TaskSpec, output_dir: pathlib.Path):
   texts = tasks.texts_for_vocabulary(task_spec.task)
   logging.info("training a %d-piece SentencePiece vocabulary on %d texts of %s/train",
                task_spec.vocab_size, len(texts), task_spec.task)
+  symbols = tasks.vocabulary_symbols(task_spec.task)  # whole pieces, e.g. placeholder symbols
   return vocabularies.train(texts, path, task_spec.vocab_size, extra_ids=task_spec.extra_ids,
                             character_coverage=0.9995, input_sentence_size=200_000,
-                            shuffle_input_sentence=False), path
+                            shuffle_input_sentence=False,
+                            **({"user_defined_symbols": list(symbols)} if symbols else {})), path
 
 
 def initial_params(shape: T5Shape, vocab, init_checkpoint: str | None, seed: int):
@@ -359,12 +367,15 @@ def _train(output_dir: pathlib.Path, loss_log, task: TaskSpec, shape: T5Shape, t
 
 def evaluate_generation(config, params, vocab, task: TaskSpec, batch_size: int = 32) -> dict:
   """Greedy decoding of the evaluation split's sources: BLEU and chrF (sacrebleu) against the
-  references, with a few examples."""
+  references, with a few examples. Outputs and references are compared with their placeholders
+  restored (an example's 'placeholders' table), as the messages are shipped."""
   import sacrebleu  # pylint: disable=import-outside-toplevel  # only after training
   if is_offline(task.evaluation_task):
     examples = tasks.examples(task.evaluation_task, task.evaluation_split)
     examples = examples[:task.evaluation_limit]
-    sources, references = [e["inputs"] for e in examples], [e["targets"] for e in examples]
+    sources = [e["inputs"] for e in examples]
+    tables = [e.get("placeholders", ()) for e in examples]  # what restores a protected text
+    references = [placeholders.restore(e["targets"], table) for e, table in zip(examples, tables)]
   else:
     raise ValueError("evaluation by generation reads the offline tasks' text; for seqio tasks set "
                      "TaskSpec.evaluation_limit = 0 and evaluate with seqio's evaluator")
@@ -381,7 +392,8 @@ def evaluate_generation(config, params, vocab, task: TaskSpec, batch_size: int =
     out = program(params, prompt, prompt_lengths, jax.random.PRNGKey(0), np.float32(0.0),
                   np.float32(1.0), contracts.Source(tokens, lengths))
     generated = np.asarray(out.num_generated)
-    hypotheses += [vocab.decode(np.asarray(out.tokens)[row, :generated[row]].tolist())
+    hypotheses += [placeholders.restore(
+        vocab.decode(np.asarray(out.tokens)[row, :generated[row]].tolist()), tables[start + row])
                    for row in range(len(chunk))]
   return {"task": task.evaluation_task, "split": task.evaluation_split,
           "examples": len(sources),
