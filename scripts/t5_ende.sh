@@ -3,8 +3,8 @@
 # pairs of every gettext catalog offline and its three distilled drafts, then run Leviathan et al.'s
 # Tables 2 / 3 (configs/t5_ende/sweep.gin) and 5 (lenience.gin) on the held-out wagtail, django-allauth
 # and sphinx messages, and the greedy check of every held-out message (BLEU / chrF, outputs equal to the
-# target's). About 4 hours on a 2-core CPU (an estimate: the target's 137 minutes measured on an
-# AMD EPYC on 2026-12-08, partly beside the test suite, plus the rest's 85 minutes measured there on
+# target's). About 3 hours on a 2-core CPU (an estimate: the target's 83 minutes measured on an
+# AMD EPYC on 2026-12-08, plus the rest's 85 minutes measured there on
 # 2026-12-06 / 07); not part of scripts/main.sh. Every step shows progress
 # with an ETA; a killed run resumes where it stopped, and a finished model or sweep row is reused.
 set -euo pipefail
